@@ -1,0 +1,36 @@
+# Every target creates (or reuses) .venv and installs the project into it first. Set
+# DATABASE_URL to use your own PostgreSQL; without it a throwaway server is started.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+WITH_DB := $(BIN)/python scripts/pgserver.py run --
+
+.PHONY: install test lint docs demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy django_pgjobs
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	$(WITH_DB) $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy django_pgjobs
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
+
+demo: $(STAMP)
+	$(WITH_DB) $(BIN)/python scripts/demo.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

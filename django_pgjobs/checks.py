@@ -1,0 +1,124 @@
+"""System checks for the PGJOBS setting and the queue's database (ids pgjobs.E001...)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.conf import settings
+from django.core import checks
+
+from django_pgjobs import conf, validation
+from django_pgjobs.exceptions import InvalidJobOptions
+
+
+def register() -> None:
+    checks.register(check_settings, checks.Tags.compatibility)
+    checks.register(check_engine, checks.Tags.compatibility)
+
+
+def _number(name: str, *, minimum: float, integer: bool) -> checks.CheckMessage | None:
+    value = conf.get(name)
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+        kind = "a whole number" if integer else "a number of seconds"
+        return checks.Error(
+            f"PGJOBS[{name!r}] is {value!r}.",
+            hint=f"Set it to {kind} of at least {minimum:g} (default {conf.DEFAULTS[name]!r}).",
+            id="pgjobs.E002",
+        )
+    return None
+
+
+def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
+    raw = getattr(settings, "PGJOBS", {})
+    if not isinstance(raw, dict):
+        return [
+            checks.Error(
+                f"PGJOBS must be a dict, not {type(raw).__name__}.",
+                hint="Write PGJOBS = {'CONCURRENCY': 4, ...} in your settings.",
+                id="pgjobs.E001",
+            )
+        ]
+    errors: list[Any] = [
+        checks.Error(
+            f"PGJOBS has an unknown key {key!r}.",
+            hint=f"Known keys: {', '.join(sorted(conf.DEFAULTS))}.",
+            id="pgjobs.E003",
+        )
+        for key in raw
+        if key not in conf.DEFAULTS
+    ]
+    numbers = {
+        "MAX_ATTEMPTS": (1, True),
+        "CONCURRENCY": (1, True),
+        "BATCH_SIZE": (1, True),
+        "LEASE": (1, False),
+        "POLL_INTERVAL": (0.01, False),
+        "REAP_INTERVAL": (0, False),
+        "SHUTDOWN_TIMEOUT": (0, False),
+    }
+    for name, (minimum, integer) in numbers.items():
+        error = _number(name, minimum=minimum, integer=integer)
+        if error:
+            errors.append(error)
+    if conf.get("MODE") not in conf.MODES:
+        errors.append(
+            checks.Error(
+                f"PGJOBS['MODE'] is {conf.get('MODE')!r}.",
+                hint="Use 'lease' (the default) or 'transaction'.",
+                id="pgjobs.E004",
+            )
+        )
+    try:
+        validation.queue_name(conf.get("QUEUE"))
+    except InvalidJobOptions as exc:
+        errors.append(checks.Error(f"PGJOBS['QUEUE']: {exc}", id="pgjobs.E005"))
+    for key in ("DATABASE", "LISTEN_DATABASE"):
+        alias = conf.get(key)
+        if alias is not None and alias not in settings.DATABASES:
+            errors.append(
+                checks.Error(
+                    f"PGJOBS[{key!r}] names the database alias {alias!r}, which is not in "
+                    "DATABASES.",
+                    hint=f"Use one of: {', '.join(settings.DATABASES)}.",
+                    id="pgjobs.E006",
+                )
+            )
+    channel = conf.get("CHANNEL")
+    if not isinstance(channel, str) or not channel or len(channel) > 63:
+        errors.append(
+            checks.Error(
+                f"PGJOBS['CHANNEL'] is {channel!r}.",
+                hint="Use a non-empty name of at most 63 characters (default 'pgjobs').",
+                id="pgjobs.E007",
+            )
+        )
+    imports = conf.get("IMPORTS")
+    if not isinstance(imports, (list, tuple)) or not all(isinstance(m, str) for m in imports):
+        errors.append(
+            checks.Error(
+                f"PGJOBS['IMPORTS'] is {imports!r}.",
+                hint="Use a list of dotted module paths.",
+                id="pgjobs.E008",
+            )
+        )
+    return errors
+
+
+def check_engine(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
+    errors: list[Any] = []
+    for key in ("DATABASE", "LISTEN_DATABASE"):
+        alias = conf.get(key)
+        if not isinstance(alias, str) or alias not in settings.DATABASES:
+            continue
+        engine = settings.DATABASES[alias].get("ENGINE", "")
+        if "postgresql" not in engine:
+            errors.append(
+                checks.Error(
+                    f"PGJOBS[{key!r}] is the alias {alias!r}, whose ENGINE is {engine!r}.",
+                    hint="django-pgjobs needs PostgreSQL: 'django.db.backends.postgresql'.",
+                    id="pgjobs.E010",
+                )
+            )
+    return errors

@@ -1,0 +1,103 @@
+"""The only reader of settings.
+
+Everything lives in one dict, ``settings.PGJOBS``; each key has a default and is read on
+access, so ``override_settings`` works. ``checks.py`` validates the values; the reference page
+``docs/reference/settings.md`` documents each one.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+
+DEFAULTS: dict[str, Any] = {
+    # The database alias the queue lives in.
+    "DATABASE": "default",
+    # The alias whose server the LISTEN connection goes to (None: same as DATABASE). Point it
+    # straight at PostgreSQL when DATABASE goes through a transaction-mode pooler.
+    "LISTEN_DATABASE": None,
+    # NOTIFY channel; the payload is the queue name.
+    "CHANNEL": "pgjobs",
+    "QUEUE": "default",
+    "MAX_ATTEMPTS": 5,
+    # Seconds a claim owns a job before the reaper may take it back.
+    "LEASE": 300.0,
+    "CONCURRENCY": 4,
+    "BATCH_SIZE": 10,
+    # Seconds between fallback polls (and LISTEN health probes) of an idle worker.
+    "POLL_INTERVAL": 10.0,
+    # Seconds between in-worker reaps; 0 disables them.
+    "REAP_INTERVAL": 60.0,
+    "MODE": "lease",
+    # Seconds a stopping worker waits for running jobs before it exits anyway.
+    "SHUTDOWN_TIMEOUT": 30.0,
+    # Extra modules to import at start-up, for @job functions outside apps' jobs/tasks modules.
+    "IMPORTS": [],
+}
+
+MODES = ("lease", "transaction")
+
+
+def _user_settings() -> dict[str, Any]:
+    value = getattr(settings, "PGJOBS", {})
+    return value if isinstance(value, dict) else {}
+
+
+def get(name: str) -> Any:
+    """One setting's value: the user's if set, else the default."""
+    return _user_settings().get(name, DEFAULTS[name])
+
+
+def database() -> str:
+    return str(get("DATABASE"))
+
+
+def listen_database() -> str:
+    alias = get("LISTEN_DATABASE")
+    return str(alias) if alias else database()
+
+
+def channel() -> str:
+    return str(get("CHANNEL"))
+
+
+def default_queue() -> str:
+    return str(get("QUEUE"))
+
+
+def max_attempts() -> int:
+    return int(get("MAX_ATTEMPTS"))
+
+
+def lease() -> timedelta:
+    return timedelta(seconds=float(get("LEASE")))
+
+
+def concurrency() -> int:
+    return int(get("CONCURRENCY"))
+
+
+def batch_size() -> int:
+    return int(get("BATCH_SIZE"))
+
+
+def poll_interval() -> float:
+    return float(get("POLL_INTERVAL"))
+
+
+def reap_interval() -> float:
+    return float(get("REAP_INTERVAL"))
+
+
+def mode() -> str:
+    return str(get("MODE"))
+
+
+def shutdown_timeout() -> float:
+    return float(get("SHUTDOWN_TIMEOUT"))
+
+
+def imports() -> list[str]:
+    return list(get("IMPORTS"))

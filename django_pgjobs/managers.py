@@ -1,0 +1,364 @@
+"""The lifecycle verbs: enqueue, claim, complete, fail, extend_lease, release, reap, prune.
+
+Each verb runs one statement from ``sql.py`` on the manager's database alias. The writes
+after a claim are fenced on ``(id, status = 'running', attempts)``: they return ``False`` (or
+``None``) when the job is no longer ours, and log that at WARNING; they never raise for it.
+The ``*_many`` forms do the same for a batch in one statement; the worker uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from django.db import connections, models, router
+from django.db.transaction import TransactionManagementError
+
+from django_pgjobs import conf, registry, sql, validation
+from django_pgjobs.exceptions import InvalidJobOptions, NotPostgreSQL
+from django_pgjobs.notify import notify_on_commit
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+    from django_pgjobs.models import Job
+
+logger = logging.getLogger(__name__)
+
+MODES = ("lease", "transaction")
+PRUNABLE = ("done", "failed")
+REAP_BATCH = 1000
+# last_error keeps the end of very long errors (tracebacks end with what matters).
+ERROR_LIMIT = 8000
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    """A job this worker now owns: pass ``id`` and ``attempts`` back to finish it."""
+
+    id: int
+    queue: str
+    task: str
+    payload: dict[str, Any]
+    attempts: int
+    max_attempts: int
+
+
+class Reaped(NamedTuple):
+    id: int
+    status: str
+    attempts: int
+
+
+def _clean_error(error: str) -> str:
+    # PostgreSQL text cannot hold NUL; keep the tail, where a traceback says what went wrong.
+    error = str(error).replace("\x00", "\\x00")
+    return error if len(error) <= ERROR_LIMIT else "..." + error[-ERROR_LIMIT:]
+
+
+def _pairs(jobs: Iterable[tuple[int, int]]) -> dict[str, list[int]]:
+    ids: list[int] = []
+    attempts: list[int] = []
+    for job_id, attempt in sorted(jobs):
+        ids.append(int(job_id))
+        attempts.append(int(attempt))
+    return {"ids": ids, "attempts": attempts}
+
+
+class JobManager(models.Manager["Job"]):
+    """``Job.objects``: the queue's verbs, as raw SQL on this manager's database alias."""
+
+    @property
+    def db_alias(self) -> str:
+        """The alias this manager writes to (``db_manager(alias)`` or the router's choice)."""
+        return self._db or router.db_for_write(self.model)
+
+    def connection(self) -> BaseDatabaseWrapper:
+        connection = connections[self.db_alias]
+        if connection.vendor != "postgresql":
+            raise NotPostgreSQL(
+                f"Database alias {self.db_alias!r} uses {connection.vendor}; django-pgjobs needs "
+                "PostgreSQL (ENGINE 'django.db.backends.postgresql')."
+            )
+        return connection
+
+    # -- enqueue -------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        task: str | Callable[..., Any],
+        payload: dict[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        run_at: Any = None,
+        delay: Any = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+    ) -> Job:
+        """Add one job in the caller's transaction; workers are notified when it commits.
+
+        ``task`` is a ``@job`` function or its registered name; ``payload`` the keyword
+        arguments it will be called with (JSON values only). ``run_at`` (an aware datetime)
+        or ``delay`` (a timedelta or seconds, measured on the database clock) defer it.
+        Options left out take the ``@job`` defaults, then the ``PGJOBS`` settings.
+        Returns the new ``Job``.
+        """
+        payload = {} if payload is None else payload
+        rows, fields = self._insert(
+            task, [payload], queue=queue, run_at=run_at, delay=delay, priority=priority,
+            max_attempts=max_attempts,
+        )
+        job_id, job_run_at, created_at = rows[0]
+        return self.model(
+            id=job_id, payload=payload, run_at=job_run_at, created_at=created_at, attempts=0,
+            status="queued", **fields,
+        )
+
+    def enqueue_many(
+        self,
+        task: str | Callable[..., Any],
+        payloads: Iterable[dict[str, Any]],
+        *,
+        queue: str | None = None,
+        run_at: Any = None,
+        delay: Any = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+    ) -> list[int]:
+        """Add many jobs of one task with one INSERT and one NOTIFY; return their ids in order.
+
+        Every payload is validated before anything is written: one bad payload writes none.
+        """
+        rows, _fields = self._insert(
+            task, list(payloads), queue=queue, run_at=run_at, delay=delay,
+            priority=priority, max_attempts=max_attempts,
+        )
+        return [row[0] for row in rows]
+
+    def _insert(
+        self,
+        task: str | Callable[..., Any],
+        payloads: Sequence[Any],
+        *,
+        queue: str | None,
+        run_at: Any,
+        delay: Any,
+        priority: int | None,
+        max_attempts: int | None,
+    ) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+        func = registry.resolve(task)
+        if max_attempts is None:
+            max_attempts = func.max_attempts or conf.max_attempts()
+        fields: dict[str, Any] = {
+            "task": func.name,
+            "queue": validation.queue_name(queue or func.queue or conf.default_queue()),
+            "priority": validation.priority(func.priority if priority is None else priority),
+            "max_attempts": validation.max_attempts(max_attempts),
+        }
+        when, wait = validation.schedule(run_at, delay)
+        texts = [validation.payload(p) for p in payloads]
+        if not texts:
+            return [], fields
+        connection = self.connection()
+        rows = sql.run(
+            connection,
+            sql.ENQUEUE,
+            {**fields, "payloads": texts, "run_at": when, "delay": wait},
+        )
+        notify_on_commit(self.db_alias, fields["queue"])
+        return rows, fields
+
+    # -- claim -------------------------------------------------------------------------
+
+    def claim(
+        self,
+        queue: str = "default",
+        limit: int = 10,
+        lease: timedelta | float | None = None,
+        *,
+        mode: str = "lease",
+    ) -> list[ClaimedJob]:
+        """Take up to ``limit`` ready jobs of ``queue``, skipping rows other workers hold.
+
+        Each claimed job is ``running`` with one more attempt and a lease of ``lease``
+        (default ``PGJOBS["LEASE"]``) on the database clock. In ``lease`` mode the claim
+        commits at once and must not run inside ``atomic()`` (that would hold its locks and
+        freeze ``now()``); in ``transaction`` mode it must, and the caller completes the job
+        before committing.
+        """
+        validation.queue_name(queue)
+        validation.positive_int("limit", limit)
+        lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
+        if mode not in MODES:
+            raise InvalidJobOptions(f"Invalid mode {mode!r}: use 'lease' or 'transaction'.")
+        connection = self.connection()
+        if mode == "lease" and connection.in_atomic_block:
+            raise TransactionManagementError(
+                "claim() in lease mode commits at once and cannot run inside atomic(); "
+                "call it outside the transaction, or pass mode='transaction'."
+            )
+        if mode == "transaction" and not connection.in_atomic_block:
+            raise TransactionManagementError(
+                "claim(mode='transaction') must run inside transaction.atomic(): the claim, "
+                "the job and its completion share that transaction."
+            )
+        rows = sql.run(
+            connection, sql.CLAIM, {"queue": queue, "limit": limit, "lease": lease_td}
+        )
+        return [
+            ClaimedJob(
+                id=job_id,
+                queue=job_queue,
+                task=task,
+                payload=json.loads(payload) if isinstance(payload, str) else payload,
+                attempts=attempts,
+                max_attempts=job_max_attempts,
+            )
+            for job_id, job_queue, task, payload, attempts, job_max_attempts in rows
+        ]
+
+    # -- fenced outcomes ---------------------------------------------------------------
+
+    def complete(self, job_id: int, attempts: int) -> bool:
+        """Mark a claimed job done. ``False``: the job is no longer ours; nothing changed."""
+        return job_id in self.complete_many([(job_id, attempts)])
+
+    def complete_many(self, jobs: Iterable[tuple[int, int]]) -> set[int]:
+        """Complete ``(id, attempts)`` pairs in one statement; return the ids that changed."""
+        return self._fenced("complete", sql.COMPLETE, _pairs(jobs))
+
+    def fail(self, job_id: int, attempts: int, error: str) -> str | None:
+        """Record a failed attempt: back to ``queued`` with backoff, or ``failed`` for good.
+
+        Returns the new status, or ``None`` when the job is no longer ours.
+        """
+        return self.fail_many([(job_id, attempts, error)]).get(job_id)
+
+    def fail_many(self, jobs: Iterable[tuple[int, int, str]]) -> dict[int, str]:
+        """Fail ``(id, attempts, error)`` triples in one statement; return id -> new status."""
+        ordered = sorted(jobs, key=lambda item: item[0])
+        if not ordered:
+            return {}
+        ids = [int(j[0]) for j in ordered]
+        attempts = [int(j[1]) for j in ordered]
+        errors = [_clean_error(j[2]) for j in ordered]
+        rows = sql.run(
+            self.connection(), sql.FAIL, {"ids": ids, "attempts": attempts, "errors": errors}
+        )
+        result = {row[0]: row[1] for row in rows}
+        self._warn_fenced("fail", ids, attempts, set(result))
+        return result
+
+    def extend_lease(
+        self, job_id: int, attempts: int, lease: timedelta | float | None = None
+    ) -> bool:
+        """Push a running job's lease to ``now() + lease``. ``False``: stop, it is not ours."""
+        return job_id in self.extend_lease_many([(job_id, attempts)], lease)
+
+    def extend_lease_many(
+        self, jobs: Iterable[tuple[int, int]], lease: timedelta | float | None = None
+    ) -> set[int]:
+        lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
+        return self._fenced("extend_lease", sql.EXTEND_LEASE, _pairs(jobs), lease=lease_td)
+
+    def release(self, job_id: int, attempts: int) -> bool:
+        """Give back a claimed job that never started: ``queued`` again, attempt not counted."""
+        return job_id in self.release_many([(job_id, attempts)])
+
+    def release_many(self, jobs: Iterable[tuple[int, int]]) -> set[int]:
+        return self._fenced("release", sql.RELEASE, _pairs(jobs))
+
+    def _fenced(
+        self, action: str, statement: Any, pairs: dict[str, list[int]], **extra: Any
+    ) -> set[int]:
+        if not pairs["ids"]:
+            return set()
+        rows = sql.run(self.connection(), statement, {**pairs, **extra})
+        changed = {row[0] for row in rows}
+        self._warn_fenced(action, pairs["ids"], pairs["attempts"], changed)
+        return changed
+
+    @staticmethod
+    def _warn_fenced(
+        action: str, ids: list[int], attempts: list[int], changed: set[int]
+    ) -> None:
+        for job_id, attempt in zip(ids, attempts, strict=True):
+            if job_id not in changed:
+                logger.warning(
+                    "%s of job %s (attempt %s) changed nothing: the job is no longer ours",
+                    action, job_id, attempt,
+                    extra={"action": action, "job_id": job_id, "attempts": attempt},
+                )
+
+    # -- maintenance -------------------------------------------------------------------
+
+    def reap(self, batch_size: int = REAP_BATCH) -> list[Reaped]:
+        """Send jobs whose lease expired back to ``queued`` (``failed`` once out of attempts).
+
+        Works in batches of ``batch_size`` until one comes back short; returns every row it
+        changed as ``(id, status, attempts)``.
+        """
+        validation.positive_int("batch_size", batch_size)
+        connection = self.connection()
+        reaped: list[Reaped] = []
+        while True:
+            rows = [Reaped(*row) for row in sql.run(connection, sql.REAP, {"limit": batch_size})]
+            reaped.extend(rows)
+            for row in rows:
+                logger.warning(
+                    "reaped job %s (attempt %s): lease expired, now %s", row.id, row.attempts,
+                    row.status,
+                    extra={"action": "reap", "job_id": row.id, "attempts": row.attempts},
+                )
+            if len(rows) < batch_size:
+                return reaped
+
+    def prune(
+        self,
+        older_than: timedelta = timedelta(days=7),
+        status: str | Iterable[str] = "done",
+        batch_size: int = 10_000,
+        archive: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Delete (or, with ``archive``, move to the archive table) finished jobs.
+
+        ``status`` is ``"done"``, ``"failed"``, ``"all"`` (both) or a list of those; queued and
+        running jobs are never touched. Age is measured from ``finished_at`` (or
+        ``created_at`` where no finish time was recorded) on the database clock. Each batch
+        of ``batch_size`` is its own short statement; ``progress`` is called with the running
+        total after each. Returns the number of jobs removed.
+        """
+        statuses = list(PRUNABLE) if status == "all" else (
+            [status] if isinstance(status, str) else list(status)
+        )
+        bad = [s for s in statuses if s not in PRUNABLE]
+        if bad or not statuses:
+            raise InvalidJobOptions(
+                f"Cannot prune status {bad or statuses!r}: use 'done', 'failed' or 'all'; "
+                "queued and running jobs are never pruned."
+            )
+        if not isinstance(older_than, timedelta) or older_than < timedelta(0):
+            raise InvalidJobOptions(
+                f"Invalid older_than {older_than!r}: use a timedelta of zero or more."
+            )
+        validation.positive_int("batch_size", batch_size)
+        connection = self.connection()
+        statement = sql.PRUNE_ARCHIVE if archive else sql.PRUNE
+        total = 0
+        while True:
+            with connection.cursor() as cursor:
+                params: dict[str, Any] = {
+                    "statuses": statuses, "older_than": older_than, "limit": batch_size,
+                }
+                cursor.execute(statement, params)
+                count = int(cursor.rowcount)
+            total += count
+            if progress is not None and count:
+                progress(total)
+            if count < batch_size:
+                return total

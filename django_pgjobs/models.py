@@ -1,0 +1,102 @@
+"""The jobs table, and the archive that ``prune(archive=True)`` moves finished jobs to.
+
+The schema is the seed's (``queue``, ``payload``, ``status``, ``run_at``, ``attempts``,
+``max_attempts``, ``locked_until``, ``last_error``, ``created_at``) plus what the lifecycle
+needs: ``task`` (which registered function runs the payload), ``priority`` (claim order,
+-100..100), ``started_at`` (when the current attempt was claimed: durations, stuck jobs) and
+``finished_at`` (when it reached done/failed: pruning by age of completion). The SQL that
+creates it is frozen in migration 0001; the fields here mirror it for the ORM and the admin.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import django
+from django.db import models
+from django.db.models import Q
+
+from django_pgjobs.managers import JobManager
+
+
+class Status(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+def _check(condition: Q, name: str) -> models.CheckConstraint:
+    # Django 5.1 renamed CheckConstraint(check=) to condition=; 6.0 removed the old name.
+    if django.VERSION >= (5, 1):
+        return models.CheckConstraint(condition=condition, name=name)
+    return models.CheckConstraint(check=condition, name=name)  # type: ignore[call-arg]
+
+
+class Job(models.Model):
+    id = models.BigAutoField(primary_key=True)
+    queue = models.TextField(default="default")
+    task = models.TextField()
+    payload = models.JSONField(default=dict)
+    status = models.TextField(choices=Status.choices, default=Status.QUEUED)
+    priority = models.SmallIntegerField(default=0)
+    run_at = models.DateTimeField()
+    attempts = models.IntegerField(default=0)
+    max_attempts = models.IntegerField(default=5)
+    locked_until = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL means "no error yet"
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects: ClassVar[JobManager] = JobManager()
+
+    class Meta:
+        db_table = "pgjobs_job"
+        ordering = ("-id",)
+        indexes = (
+            # The claim's index: only ready rows, in the claim's ORDER BY.
+            models.Index(
+                fields=["queue", "-priority", "run_at"],
+                name="pgjobs_job_ready_idx",
+                condition=Q(status="queued"),
+            ),
+            # The reaper's index: only running rows, by lease expiry.
+            models.Index(
+                fields=["locked_until"], name="pgjobs_job_lease_idx", condition=Q(status="running")
+            ),
+        )
+        constraints = (
+            _check(Q(status__in=Status.values), "pgjobs_job_status_check"),
+            _check(Q(priority__gte=-100, priority__lte=100), "pgjobs_job_priority_check"),
+        )
+
+    def __str__(self) -> str:
+        return f"Job {self.id} {self.task} [{self.status}]"
+
+
+class ArchivedJob(models.Model):
+    """A finished job moved out of the hot table by ``prune(archive=True)``."""
+
+    id = models.BigIntegerField(primary_key=True)
+    queue = models.TextField()
+    task = models.TextField()
+    payload = models.JSONField()
+    status = models.TextField(choices=Status.choices)
+    priority = models.SmallIntegerField()
+    run_at = models.DateTimeField()
+    attempts = models.IntegerField()
+    max_attempts = models.IntegerField()
+    locked_until = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(null=True, blank=True)  # noqa: DJ001 - mirrors Job
+    created_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    archived_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "pgjobs_job_archive"
+        ordering = ("-id",)
+
+    def __str__(self) -> str:
+        return f"Archived job {self.id} {self.task} [{self.status}]"

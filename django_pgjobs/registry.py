@@ -1,0 +1,143 @@
+"""``@job`` and the table of registered job functions.
+
+The worker runs only what is registered here. A row naming any other dotted path is refused
+with a clear error; its path is never imported (a row is data, and data must not choose code).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+
+from django_pgjobs import validation
+from django_pgjobs.exceptions import UnknownTask
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Job
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class JobFunction(Generic[P, R]):
+    """A registered job function: call it directly, or ``.enqueue(**kwargs)`` it."""
+
+    def __init__(
+        self,
+        func: Callable[P, R],
+        *,
+        name: str,
+        queue: str | None,
+        max_attempts: int | None,
+        priority: int,
+    ) -> None:
+        self.func = func
+        self.name = name
+        self.queue = queue
+        self.max_attempts = max_attempts
+        self.priority = priority
+        functools.update_wrapper(self, func)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.func(*args, **kwargs)
+
+    def enqueue(self, **kwargs: Any) -> Job:
+        """Enqueue this job in the current transaction; the keyword arguments are the payload."""
+        from django_pgjobs.models import Job
+
+        return Job.objects.enqueue(self, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<JobFunction {self.name}>"
+
+
+_registry: dict[str, JobFunction[..., Any]] = {}
+
+
+@overload
+def job(func: Callable[P, R], /) -> JobFunction[P, R]: ...
+
+
+@overload
+def job(
+    *,
+    name: str | None = None,
+    queue: str | None = None,
+    max_attempts: int | None = None,
+    priority: int = 0,
+) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
+
+
+def job(
+    func: Callable[P, R] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    queue: str | None = None,
+    max_attempts: int | None = None,
+    priority: int = 0,
+) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
+    """Register a function as a job, under ``module.qualname`` unless ``name`` is given.
+
+    ``queue``, ``max_attempts`` and ``priority`` are the defaults used when the job is
+    enqueued without them (``queue`` falls back to ``PGJOBS["QUEUE"]``, ``max_attempts`` to
+    ``PGJOBS["MAX_ATTEMPTS"]``). The function is called with its payload as keyword arguments.
+    """
+    if queue is not None:
+        validation.queue_name(queue)
+    if max_attempts is not None:
+        validation.max_attempts(max_attempts)
+    validation.priority(priority)
+
+    def register(fn: Callable[P, R]) -> JobFunction[P, R]:
+        task_name = name or f"{fn.__module__}.{fn.__qualname__}"
+        if "<locals>" in task_name:
+            raise ValueError(
+                f"Cannot register {task_name}: a job must be a module-level function, "
+                "or be given a name= that the worker can find."
+            )
+        existing = _registry.get(task_name)
+        if existing is not None and existing.func is not fn and (
+            existing.func.__module__,
+            existing.func.__qualname__,
+        ) != (fn.__module__, fn.__qualname__):
+            raise ValueError(f"Two job functions are registered as {task_name!r}; rename one.")
+        wrapper = JobFunction(
+            fn, name=task_name, queue=queue, max_attempts=max_attempts, priority=priority
+        )
+        _registry[task_name] = wrapper
+        return wrapper
+
+    if func is not None:
+        return register(func)
+    return register
+
+
+def get(name: str) -> JobFunction[..., Any]:
+    """The job function registered under ``name``, or ``UnknownTask``."""
+    try:
+        return _registry[name]
+    except KeyError:
+        raise UnknownTask(
+            f"Unknown task {name!r}: no @job function is registered under that name. "
+            "Check the spelling, and that the module defining it is imported by the worker "
+            "(an app's jobs.py or tasks.py, or PGJOBS['IMPORTS'])."
+        ) from None
+
+
+def resolve(task: str | Callable[..., Any]) -> JobFunction[..., Any]:
+    """Map a registered name, a ``JobFunction`` or its plain function to the registration."""
+    if isinstance(task, JobFunction):
+        return get(task.name)
+    if isinstance(task, str):
+        return get(task)
+    for registered in _registry.values():
+        if registered.func is task:
+            return registered
+    name = f"{getattr(task, '__module__', '?')}.{getattr(task, '__qualname__', task)!s}"
+    raise UnknownTask(f"{name} is not a job: decorate it with @django_pgjobs.job first.")
+
+
+def names() -> list[str]:
+    return sorted(_registry)

@@ -1,0 +1,172 @@
+"""Every statement django-pgjobs sends, each once, named for the verb it does.
+
+Parameters are ``%(name)s``; nothing here is ever assembled with string formatting. Every
+write after the claim is fenced on ``id``, ``status = 'running'`` and ``attempts``: a worker
+can only change a job it still owns. Times are always the database's ``now()``.
+
+The batch forms (``unnest`` over parallel arrays) serve one job as well as many, so the
+manager's single-job methods and the worker's batched writes share one statement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
+    from typing_extensions import LiteralString
+
+TABLE: LiteralString = "pgjobs_job"
+ARCHIVE_TABLE: LiteralString = "pgjobs_job_archive"
+READY_INDEX: LiteralString = "pgjobs_job_ready_idx"
+
+# One INSERT for any number of jobs. run_at comes from the database clock unless given.
+ENQUEUE: LiteralString = """
+INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
+SELECT %(queue)s, %(task)s, p, %(priority)s, %(max_attempts)s,
+       coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0'))
+FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS t(p, n)
+ORDER BY n
+RETURNING id, run_at, created_at
+"""
+
+# A hint, never the job: listeners re-run the claim. Sent after commit, once per queue.
+NOTIFY: LiteralString = "SELECT pg_notify(%(channel)s, %(queue)s)"
+
+# Lock the chosen rows in the CTE (SKIP LOCKED: never wait behind another worker), then
+# update through it. Never `WHERE id = (SELECT ... LIMIT 1)`: without the lock two workers
+# take the same row. The CTE form, not `IN (SELECT ... FOR UPDATE)`, which some plans let
+# lock more rows than the LIMIT (PostgreSQL bug #15715). The ORDER BY matches the partial
+# index pgjobs_job_ready_idx, so the plan is Limit -> LockRows -> Index Scan.
+CLAIM: LiteralString = """
+WITH next AS (
+  SELECT id FROM pgjobs_job
+  WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now()
+  ORDER BY priority DESC, run_at
+  LIMIT %(limit)s
+  FOR UPDATE SKIP LOCKED
+)
+UPDATE pgjobs_job j
+SET status       = 'running',
+    attempts     = j.attempts + 1,
+    locked_until = now() + %(lease)s::interval,
+    started_at   = now()
+FROM next
+WHERE j.id = next.id
+RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts
+"""
+
+COMPLETE: LiteralString = """
+UPDATE pgjobs_job j
+SET status = 'done', locked_until = NULL, finished_at = now()
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS mine(id, attempts)
+WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+RETURNING j.id
+"""
+
+# Back to queued after 20 s, 40 s, 80 s, ... (10 s * 2^attempts, at most an hour), or failed
+# for good once the attempts are used up. The exponent is capped so that a job with a huge
+# max_attempts cannot overflow the interval: 2^9 * 10 s already passes the hour.
+FAIL: LiteralString = """
+UPDATE pgjobs_job j
+SET status       = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
+    run_at       = now() + least(interval '1 hour',
+                                 interval '10 seconds' * 2 ^ least(j.attempts, 16)),
+    locked_until = NULL,
+    last_error   = mine.error,
+    finished_at  = CASE WHEN j.attempts >= j.max_attempts THEN now() END
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(errors)s::text[])
+     AS mine(id, attempts, error)
+WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+RETURNING j.id, j.status, j.run_at
+"""
+
+# The heartbeat. A row missing from RETURNING was taken from us: stop treating it as ours.
+EXTEND_LEASE: LiteralString = """
+UPDATE pgjobs_job j
+SET locked_until = now() + %(lease)s::interval
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS mine(id, attempts)
+WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+RETURNING j.id
+"""
+
+# Give back a job that was claimed but never started: the claim's attempt is not counted.
+RELEASE: LiteralString = """
+UPDATE pgjobs_job j
+SET status = 'queued', attempts = j.attempts - 1, locked_until = NULL, started_at = NULL
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS mine(id, attempts)
+WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+RETURNING j.id
+"""
+
+# Expired leases back to queued (or failed once the attempts are used up: a job that kills
+# every worker must not loop forever). The UPDATE re-checks status and lease itself, so a
+# job completed since the CTE read it is never sent back; rows are taken in id order with
+# SKIP LOCKED, so concurrent reapers neither deadlock nor requeue a job twice; the caller
+# repeats the batch until it comes back short.
+REAP: LiteralString = """
+WITH expired AS (
+  SELECT id FROM pgjobs_job
+  WHERE status = 'running' AND locked_until < now()
+  ORDER BY id
+  LIMIT %(limit)s
+  FOR UPDATE SKIP LOCKED
+)
+UPDATE pgjobs_job j
+SET status       = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
+    locked_until = NULL,
+    last_error   = coalesce(j.last_error, 'lease expired'),
+    finished_at  = CASE WHEN j.attempts >= j.max_attempts THEN now() END
+FROM expired
+WHERE j.id = expired.id AND j.status = 'running' AND j.locked_until < now()
+RETURNING j.id, j.status, j.attempts
+"""
+
+# One batch of finished jobs, oldest first. Only 'done' and 'failed' can match.
+PRUNE: LiteralString = """
+WITH doomed AS (
+  SELECT id FROM pgjobs_job
+  WHERE status = ANY(%(statuses)s::text[]) AND status IN ('done', 'failed')
+    AND coalesce(finished_at, created_at) < now() - %(older_than)s::interval
+  ORDER BY id
+  LIMIT %(limit)s
+  FOR UPDATE SKIP LOCKED
+)
+DELETE FROM pgjobs_job j
+USING doomed
+WHERE j.id = doomed.id
+"""
+
+# The same batch moved, not copied: delete and insert are one statement, so a crash between
+# them cannot lose a row or keep it twice.
+PRUNE_ARCHIVE: LiteralString = """
+WITH doomed AS (
+  SELECT id FROM pgjobs_job
+  WHERE status = ANY(%(statuses)s::text[]) AND status IN ('done', 'failed')
+    AND coalesce(finished_at, created_at) < now() - %(older_than)s::interval
+  ORDER BY id
+  LIMIT %(limit)s
+  FOR UPDATE SKIP LOCKED
+), moved AS (
+  DELETE FROM pgjobs_job j
+  USING doomed
+  WHERE j.id = doomed.id
+  RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
+            j.max_attempts, j.locked_until, j.last_error, j.created_at, j.started_at,
+            j.finished_at
+)
+INSERT INTO pgjobs_job_archive (id, queue, task, payload, status, priority, run_at, attempts,
+                                max_attempts, locked_until, last_error, created_at,
+                                started_at, finished_at)
+SELECT * FROM moved
+"""
+
+
+def run(
+    connection: BaseDatabaseWrapper, statement: LiteralString, params: Mapping[str, Any]
+) -> list[tuple[Any, ...]]:
+    """Execute one statement on a Django connection; return its rows (none for no result)."""
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        return list(cursor.fetchall()) if cursor.description else []

@@ -1,0 +1,127 @@
+"""Checks on what callers hand us, done before anything is written."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload
+
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+PRIORITY_RANGE = range(-100, 101)
+
+
+def queue_name(queue: object) -> str:
+    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+        raise InvalidJobOptions(
+            f"Invalid queue name {queue!r}: use 1-100 letters, digits, '_', '-', '.' or ':'."
+        )
+    return queue
+
+
+def priority(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in PRIORITY_RANGE:
+        raise InvalidJobOptions(
+            f"Invalid priority {value!r}: use a whole number from -100 to 100 (larger runs first)."
+        )
+    return value
+
+
+def max_attempts(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidJobOptions(
+            f"Invalid max_attempts {value!r}: use a whole number of 1 or more."
+        )
+    return value
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidJobOptions(f"Invalid {name} {value!r}: use a whole number of 1 or more.")
+    return value
+
+
+def positive_duration(name: str, value: object) -> timedelta:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = timedelta(seconds=value)
+    if not isinstance(value, timedelta) or value <= timedelta(0):
+        raise InvalidJobOptions(
+            f"Invalid {name} {value!r}: use a positive timedelta or number of seconds."
+        )
+    return value
+
+
+def schedule(run_at: object, delay: object) -> tuple[datetime | None, timedelta | None]:
+    """Validate ``run_at`` / ``delay``: at most one, a delay not negative, a run_at aware."""
+    if run_at is not None and delay is not None:
+        raise InvalidJobOptions("Pass run_at or delay, not both.")
+    if delay is not None:
+        if isinstance(delay, (int, float)) and not isinstance(delay, bool):
+            delay = timedelta(seconds=delay)
+        if not isinstance(delay, timedelta) or delay < timedelta(0):
+            raise InvalidJobOptions(
+                f"Invalid delay {delay!r}: use a timedelta or number of seconds, not negative."
+            )
+        return None, delay
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise InvalidJobOptions(f"Invalid run_at {run_at!r}: use a datetime.")
+        if timezone.is_naive(run_at):
+            if settings.USE_TZ:
+                raise InvalidJobOptions(
+                    f"run_at {run_at.isoformat()} is naive while USE_TZ is on: pass an aware "
+                    "datetime (django.utils.timezone.now() + ..., or make_aware())."
+                )
+            run_at = timezone.make_aware(run_at)
+        return run_at, None
+    return None, None
+
+
+def payload(value: object) -> str:
+    """Return the payload as JSON text, or raise ``InvalidPayload`` naming the bad key.
+
+    jsonb refuses NaN, Infinity and the NUL character, so they are refused here, before the
+    INSERT, with the path of the value that holds them.
+    """
+    if not isinstance(value, Mapping):
+        raise InvalidPayload(
+            f"The payload must be a dict of keyword arguments, not {type(value).__name__}."
+        )
+    _check(value, "payload")
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _check(value: object, path: str) -> None:
+    if value is None or isinstance(value, (bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidPayload(f"{path} is {value!r}: JSON has no NaN or Infinity.")
+        return
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise InvalidPayload(f"{path} contains a NUL character (\\u0000), which jsonb refuses.")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidPayload(f"{path} has a key {key!r} that is not a string.")
+            if "\x00" in key:
+                raise InvalidPayload(f"{path} has a key with a NUL character (\\u0000).")
+            _check(item, f"{path}[{key!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check(item, f"{path}[{index}]")
+        return
+    raise InvalidPayload(
+        f"{path} is a {type(value).__name__} ({value!r:.60}), which JSON cannot hold: "
+        "pass str, int, float, bool, None, list or dict (e.g. an id instead of an object)."
+    )
+

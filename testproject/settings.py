@@ -1,0 +1,88 @@
+"""A small real site that uses django-pgjobs the way a user would.
+
+The database comes from DATABASE_URL (``make demo`` and ``make test`` set it, starting a
+throwaway PostgreSQL when none is given). The ``listen`` alias is the same server, used by
+the worker's ``--listen-database`` option as a deployment behind PgBouncer would.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent
+SECRET_KEY = os.environ.get("SECRET_KEY", "testproject-only-not-secret")
+DEBUG = os.environ.get("DEBUG", "") == "1"
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
+
+DATABASE_URL = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+DATABASES: dict[str, dict[str, Any]] = {
+    "default": dict(dj_database_url.parse(DATABASE_URL)),
+    "listen": {**dj_database_url.parse(DATABASE_URL), "TEST": {"MIRROR": "default"}},
+}
+if os.environ.get("PGJOBS_TEST_DATABASE_NAME"):
+    # Worker processes started by the tests must use the test database pytest created.
+    for alias in DATABASES.values():
+        alias["NAME"] = os.environ["PGJOBS_TEST_DATABASE_NAME"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_pgjobs",
+    "testproject.shop",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "testproject.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+WSGI_APPLICATION = "testproject.wsgi.application"
+STATIC_URL = "static/"
+USE_TZ = True
+TIME_ZONE = "UTC"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+PGJOBS = {
+    "IMPORTS": ["testproject.testjobs"],
+    "LISTEN_DATABASE": "listen",
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "django_pgjobs": {
+            "handlers": ["console"],
+            "level": os.environ.get("PGJOBS_LOG_LEVEL", "INFO"),
+        }
+    },
+}

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class ShopConfig(AppConfig):
+    name = "testproject.shop"
+    default_auto_field = "django.db.models.BigAutoField"
