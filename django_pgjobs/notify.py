@@ -9,7 +9,12 @@ raised: the job is already safe in the table and the worker's poll will find it.
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import psycopg
 from django.db import DatabaseError, connections, transaction
 
 from django_pgjobs import conf, sql
@@ -61,3 +66,111 @@ def notify_on_commit(alias: str, queue: str) -> None:
     ):
         return
     transaction.on_commit(callback, using=alias)
+
+
+# Options Django understands but libpq does not.
+_DJANGO_ONLY_OPTIONS = {"isolation_level", "server_side_binding", "assume_role", "pool"}
+
+
+def connection_params(alias: str) -> dict[str, Any]:
+    """libpq parameters for a direct psycopg connection to the server behind ``alias``."""
+    settings_dict = connections[alias].settings_dict
+    params: dict[str, Any] = {
+        "dbname": settings_dict["NAME"],
+        "user": settings_dict.get("USER") or None,
+        "password": settings_dict.get("PASSWORD") or None,
+        "host": settings_dict.get("HOST") or None,
+        "port": settings_dict.get("PORT") or None,
+        # Notice a half-open socket without sending a query (which would keep serverless
+        # compute awake): the kernel probes an idle connection and fails it if unanswered.
+        "keepalives": 1,
+        "keepalives_idle": 60,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+        "application_name": "pgjobs-listener",
+    }
+    params.update(
+        (key, value)
+        for key, value in settings_dict.get("OPTIONS", {}).items()
+        if key not in _DJANGO_ONLY_OPTIONS
+    )
+    return {key: value for key, value in params.items() if value is not None}
+
+
+class Listener(threading.Thread):
+    """Holds ``LISTEN <channel>`` on its own direct connection and wakes the worker.
+
+    ``on_wake`` is called for every notification naming one of ``queues``, and once after
+    each (re)connect: notifications sent while we were not listening are lost, so the worker
+    must look at the table at once (the catch-up claim). A notification is only a hint.
+
+    The connection is probed with ``SELECT 1`` at most once per ``probe_interval`` seconds
+    of silence; a dead connection is replaced, with backoff, until ``stop()``.
+    """
+
+    def __init__(
+        self,
+        alias: str,
+        queues: Iterable[str],
+        on_wake: Callable[[], None],
+        *,
+        probe_interval: float,
+    ) -> None:
+        super().__init__(name="pgjobs-listener", daemon=True)
+        self.alias = alias
+        self.queues = frozenset(queues)
+        self.on_wake = on_wake
+        self.probe_interval = probe_interval
+        self.connected = threading.Event()
+        self._stopping = threading.Event()
+        self._conn: psycopg.Connection[Any] | None = None
+        self.reconnects = 0
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> None:
+        delay = 0.0
+        params = connection_params(self.alias)
+        channel = conf.channel()
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(**params, autocommit=True) as conn:
+                    self._conn = conn
+                    conn.execute(sql.listen(channel))
+                    if delay:
+                        logger.warning(
+                            "LISTEN connection re-established on %s", self.alias,
+                            extra={"action": "listen"},
+                        )
+                    delay = 0.0
+                    self.connected.set()
+                    self.on_wake()
+                    self._listen(conn)
+            except psycopg.Error as exc:
+                self.connected.clear()
+                if self._stopping.is_set():
+                    return
+                delay = min(max(delay * 2, 0.5), 30.0)
+                self.reconnects += 1
+                logger.warning(
+                    "LISTEN connection to %s lost (%s); reconnecting in %.1f s",
+                    self.alias, str(exc).strip() or type(exc).__name__, delay,
+                    extra={"action": "listen"},
+                )
+                self._stopping.wait(delay)
+            finally:
+                self._conn = None
+
+    def _listen(self, conn: psycopg.Connection[Any]) -> None:
+        quiet_since = time.monotonic()
+        while not self._stopping.is_set():
+            # Wake at least once a second to notice stop(); waiting sends nothing.
+            for note in conn.notifies(timeout=1.0):
+                quiet_since = time.monotonic()
+                if note.payload in self.queues:
+                    self.on_wake()
+            if time.monotonic() - quiet_since >= self.probe_interval:
+                conn.execute(sql.PROBE)
+                quiet_since = time.monotonic()
+

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from psycopg.sql import SQL, Composed, Identifier
+
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
     from typing_extensions import LiteralString
@@ -170,3 +172,12 @@ def run(
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         return list(cursor.fetchall()) if cursor.description else []
+
+
+def listen(channel: str) -> Composed:
+    """``LISTEN "channel"``: a channel is an identifier, so it is quoted, not bound."""
+    return SQL("LISTEN {}").format(Identifier(channel))
+
+
+# The LISTEN connection's health probe: the cheapest statement that needs a live server.
+PROBE: LiteralString = "SELECT 1"

@@ -1,0 +1,69 @@
+"""``manage.py runjobs``: a thin shell over ``django_pgjobs.worker.Worker``."""
+
+from __future__ import annotations
+
+from argparse import ArgumentParser
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from django_pgjobs import conf
+from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.worker import Worker
+
+
+class Command(BaseCommand):
+    help = "Run jobs: claim them from the queue table, run them, record their outcome."
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--queue", action="append", dest="queues", metavar="NAME",
+            help=f"Queue to take jobs from; repeat for several (default {conf.default_queue()!r}).",
+        )
+        parser.add_argument("--concurrency", type=int, help="Executor threads.")
+        parser.add_argument("--batch-size", type=int, help="Most jobs one claim takes.")
+        parser.add_argument("--lease", type=float, metavar="SECONDS", help="Lease per claim.")
+        parser.add_argument(
+            "--poll-interval", type=float, metavar="SECONDS",
+            help="Fallback poll (and LISTEN probe) interval of an idle worker.",
+        )
+        parser.add_argument(
+            "--reap-interval", type=float, metavar="SECONDS",
+            help="Seconds between reaps of expired leases; 0 disables them.",
+        )
+        parser.add_argument("--mode", choices=conf.MODES, help="lease (default) or transaction.")
+        parser.add_argument(
+            "--burst", action="store_true", help="Run the ready jobs, then exit 0 (for cron)."
+        )
+        parser.add_argument("--max-jobs", type=int, help="Exit after claiming this many jobs.")
+        parser.add_argument("--database", help="Database alias of the jobs table.")
+        parser.add_argument(
+            "--listen-database",
+            help="Alias to LISTEN on (a direct connection when --database goes through PgBouncer).",
+        )
+        parser.add_argument(
+            "--shutdown-timeout", type=float, metavar="SECONDS",
+            help="How long a stopping worker waits for running jobs.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            worker = Worker(
+                options["queues"],
+                concurrency=options["concurrency"],
+                batch_size=options["batch_size"],
+                lease=options["lease"],
+                poll_interval=options["poll_interval"],
+                reap_interval=options["reap_interval"],
+                mode=options["mode"],
+                burst=options["burst"],
+                max_jobs=options["max_jobs"],
+                database=options["database"],
+                listen_database=options["listen_database"],
+                shutdown_timeout=options["shutdown_timeout"],
+            )
+        except InvalidJobOptions as exc:
+            raise CommandError(str(exc)) from exc
+        worker.install_signal_handlers()
+        stats = worker.run()
+        self.stdout.write(stats.summary())

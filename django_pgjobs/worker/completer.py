@@ -1,0 +1,177 @@
+"""The completer: records outcomes in batches, each row fenced, and keeps leases alive.
+
+Executors hand it outcomes; it writes all that are waiting with one statement per kind
+(complete, fail, release), so under load one round trip finishes many jobs and when idle
+an outcome is written at once. A write that fails because the database is away is retried
+with backoff: a failed completion write is not a finished job. If it never succeeds, the
+lease expires and the reaper takes over.
+
+It is also the heartbeat: every running job's lease is extended about every lease/3; a
+job whose extension changes no row has been taken from us and is marked lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.db import connections
+
+from django_pgjobs.context import JobContext
+from django_pgjobs.managers import ClaimedJob, JobManager
+from django_pgjobs.worker.db import UNAVAILABLE, Backoff
+from django_pgjobs.worker.outcomes import WorkerStats, finished
+
+logger = logging.getLogger("django_pgjobs.worker")
+
+COMPLETE, FAIL, RELEASE = "complete", "fail", "release"
+
+
+@dataclass
+class Outcome:
+    job: ClaimedJob
+    action: str
+    duration: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class _Running:
+    job: ClaimedJob
+    ctx: JobContext
+    extended_at: float
+
+
+class Completer(threading.Thread):
+    def __init__(
+        self, manager: JobManager, lease: timedelta, stats: WorkerStats, worker_id: str
+    ) -> None:
+        super().__init__(name="pgjobs-completer", daemon=True)
+        self.manager = manager
+        self.lease = lease
+        self.beat = lease.total_seconds() / 3
+        self.stats = stats
+        self.worker_id = worker_id
+        self._cond = threading.Condition()
+        self._pending: list[Outcome] = []
+        self._running: dict[int, _Running] = {}
+        self._closing = False
+        self._give_up = threading.Event()
+
+    # -- called by executors -------------------------------------------------------------
+
+    def track(self, job: ClaimedJob, ctx: JobContext) -> None:
+        with self._cond:
+            self._running[job.id] = _Running(job, ctx, time.monotonic())
+            self._cond.notify()
+
+    def untrack(self, job: ClaimedJob) -> None:
+        with self._cond:
+            self._running.pop(job.id, None)
+
+    def record(self, outcome: Outcome) -> None:
+        with self._cond:
+            self._pending.append(outcome)
+            self._cond.notify()
+
+    # -- called by the worker ------------------------------------------------------------
+
+    def close(self, timeout: float) -> None:
+        """Write what is pending (retrying for up to ``timeout`` s), then stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self.join(timeout)
+        if self.is_alive():
+            self._give_up.set()
+            self.join()
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        backoff = Backoff("completer")
+        try:
+            while True:
+                with self._cond:
+                    while not (self._pending or self._closing or self._beat_due() <= 0):
+                        due = self._beat_due()
+                        self._cond.wait(None if due == float("inf") else due)
+                    batch, self._pending = self._pending, []
+                    closing = self._closing
+                try:
+                    self._write(batch)
+                    self._heartbeat()
+                    backoff.succeeded(self.manager.db_alias)
+                except UNAVAILABLE as exc:
+                    with self._cond:
+                        self._pending[:0] = batch
+                    if self._give_up.is_set():
+                        self._abandon()
+                        return
+                    backoff.failed(self.manager.db_alias, exc, self._give_up)
+                    continue
+                if closing and not self._pending:
+                    return
+        finally:
+            connections.close_all()
+
+    def _beat_due(self) -> float:
+        """Seconds until some running job's lease needs extending (inf when none runs)."""
+        if not self._running:
+            return float("inf")
+        oldest = min(r.extended_at for r in self._running.values())
+        return max(0.0, oldest + self.beat - time.monotonic())
+
+    def _write(self, batch: list[Outcome]) -> None:
+        # Each kind is removed from the batch as soon as its statement commits, so a retry
+        # after an outage never writes it twice.
+        for action in (COMPLETE, FAIL, RELEASE):
+            group = [o for o in batch if o.action == action]
+            if not group:
+                continue
+            if action in (COMPLETE, FAIL):
+                statuses = self._finish(action, group)
+                for o in group:
+                    finished(
+                        o.job, statuses.get(o.job.id), o.duration, stats=self.stats,
+                        worker_id=self.worker_id, error=o.error,
+                    )
+            else:
+                released = self.manager.release_many((o.job.id, o.job.attempts) for o in group)
+                self.stats.add("released", len(released))
+            batch[:] = [o for o in batch if o.action != action]
+
+    def _finish(self, action: str, group: list[Outcome]) -> dict[int, str]:
+        if action == COMPLETE:
+            done = self.manager.complete_many((o.job.id, o.job.attempts) for o in group)
+            return dict.fromkeys(done, "done")
+        return self.manager.fail_many((o.job.id, o.job.attempts, o.error or "") for o in group)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            due = [r for r in self._running.values() if now - r.extended_at >= self.beat]
+        if not due:
+            return
+        kept = self.manager.extend_lease_many(((r.job.id, r.job.attempts) for r in due), self.lease)
+        for running in due:
+            if running.job.id in kept:
+                running.extended_at = now
+            else:
+                running.ctx.mark_lost()
+                with self._cond:
+                    self._running.pop(running.job.id, None)
+
+    def _abandon(self) -> None:
+        with self._cond:
+            pending, self._pending = self._pending, []
+        if pending:
+            logger.error(
+                "gave up recording %s outcomes (database unavailable); their leases will "
+                "expire and the reaper will requeue them: %s",
+                len(pending), ", ".join(str(o.job.id) for o in pending),
+                extra={"action": "complete"},
+            )

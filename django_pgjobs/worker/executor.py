@@ -1,0 +1,157 @@
+"""Executors: threads that each run one job at a time.
+
+In lease mode an executor takes a claimed job from the hand-off queue, calls the registered
+function with the payload as keyword arguments, and passes the outcome to the completer. A
+job taken after shutdown began is not started: it is released, its attempt not counted.
+
+In transaction mode it takes a ticket instead, and claims, runs and completes one job in a
+single transaction on its own connection; the job's own writes share that transaction (a
+savepoint, rolled back if the job fails), and a crash rolls the claim back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.db import close_old_connections, connections, transaction
+
+from django_pgjobs import registry
+from django_pgjobs.context import JobContext, reset_current_job, set_current_job
+from django_pgjobs.managers import ClaimedJob, JobManager
+from django_pgjobs.worker.completer import COMPLETE, FAIL, RELEASE, Completer, Outcome
+from django_pgjobs.worker.db import UNAVAILABLE, reset
+from django_pgjobs.worker.outcomes import WorkerStats, finished
+
+logger = logging.getLogger("django_pgjobs.worker")
+
+
+@dataclass
+class Ticket:
+    """Transaction mode: "claim one job of ``queue`` and run it"; ``claimed`` says how it went."""
+
+    queue: str
+    claimed: threading.Event = field(default_factory=threading.Event)
+    found: bool = False
+    unavailable: BaseException | None = None
+
+
+def call(job: ClaimedJob, ctx: JobContext) -> str | None:
+    """Run the registered function; return the traceback text if it raised."""
+    token = set_current_job(ctx)
+    try:
+        registry.get(job.task).func(**job.payload)
+    except Exception:
+        return traceback.format_exc()
+    finally:
+        reset_current_job(token)
+    return None
+
+
+def context(job: ClaimedJob) -> JobContext:
+    return JobContext(
+        id=job.id, task=job.task, queue=job.queue, attempts=job.attempts,
+        max_attempts=job.max_attempts, payload=job.payload,
+    )
+
+
+class Executor(threading.Thread):
+    def __init__(
+        self,
+        index: int,
+        handoff: queue.SimpleQueue[ClaimedJob | Ticket | None],
+        *,
+        manager: JobManager,
+        completer: Completer,
+        lease: timedelta,
+        stopping: threading.Event,
+        on_done: Callable[[], None],
+        stats: WorkerStats,
+        worker_id: str,
+    ) -> None:
+        super().__init__(name=f"pgjobs-executor-{index}", daemon=True)
+        self.handoff = handoff
+        self.manager = manager
+        self.completer = completer
+        self.lease = lease
+        self.stopping = stopping
+        self.on_done = on_done
+        self.stats = stats
+        self.worker_id = worker_id
+
+    def run(self) -> None:
+        try:
+            while (item := self.handoff.get()) is not None:
+                try:
+                    if isinstance(item, Ticket):
+                        self._run_ticket(item)
+                    else:
+                        self._run_claimed(item)
+                except Exception:
+                    # Our own bug or an unexpected database error: the job's lease and the
+                    # reaper recover it; the executor must live on.
+                    logger.exception("executor error on %r", item, extra={"action": "execute"})
+                finally:
+                    self.on_done()
+        finally:
+            connections.close_all()
+
+    def _run_claimed(self, job: ClaimedJob) -> None:
+        if self.stopping.is_set():
+            self.completer.record(Outcome(job, RELEASE))
+            return
+        ctx = context(job)
+        self.completer.track(job, ctx)
+        close_old_connections()
+        started = time.perf_counter()
+        error = call(job, ctx)
+        duration = time.perf_counter() - started
+        close_old_connections()
+        self.completer.untrack(job)
+        if ctx.lost:
+            self.stats.add("lost")
+            logger.warning(
+                "job %s %s attempt %s lost its lease while running; outcome not recorded",
+                job.id, job.task, job.attempts,
+                extra={"action": "extend_lease", "job_id": job.id, "attempts": job.attempts},
+            )
+            return
+        self.completer.record(Outcome(job, FAIL if error else COMPLETE, duration, error))
+
+    def _run_ticket(self, ticket: Ticket) -> None:
+        alias = self.manager.db_alias
+        close_old_connections()
+        try:
+            with transaction.atomic(using=alias):
+                jobs = self.manager.claim(
+                    ticket.queue, limit=1, lease=self.lease, mode="transaction"
+                )
+                ticket.found = bool(jobs)
+                ticket.claimed.set()
+                if not jobs:
+                    return
+                job = jobs[0]
+                started = time.perf_counter()
+                with transaction.atomic(using=alias):
+                    error = call(job, context(job))
+                    if error:
+                        transaction.set_rollback(True, using=alias)
+                duration = time.perf_counter() - started
+                if error:
+                    status = self.manager.fail(job.id, job.attempts, error)
+                else:
+                    status = "done" if self.manager.complete(job.id, job.attempts) else None
+        except UNAVAILABLE as exc:
+            ticket.unavailable = exc
+            ticket.claimed.set()
+            reset(alias)
+            return
+        finally:
+            ticket.claimed.set()
+        finished(job, status, duration, stats=self.stats, worker_id=self.worker_id, error=error)

@@ -1,0 +1,88 @@
+"""What became of each job: the counters a worker keeps and the one log line per job."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from django_pgjobs.managers import ClaimedJob
+
+logger = logging.getLogger("django_pgjobs.worker")
+
+
+@dataclass
+class WorkerStats:
+    """Counters for one worker run; ``ran`` is every job whose function was called."""
+
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    lost: int = 0
+    reaped: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def ran(self) -> int:
+        return self.done + self.retried + self.failed + self.lost
+
+    def add(self, name: str, count: int = 1) -> None:
+        if name not in COUNTERS.values():
+            raise ValueError(f"no counter {name!r}")
+        with self._lock:
+            setattr(self, name, getattr(self, name) + count)
+
+    def summary(self) -> str:
+        return (
+            f"ran {self.ran} jobs: {self.done} done, {self.retried} to retry, "
+            f"{self.failed} failed, {self.lost} lost; {self.released} released, "
+            f"{self.reaped} reaped"
+        )
+
+
+# The status a fenced write left the job in -> what became of it; None: the fence refused us.
+OUTCOMES = {"done": "done", "queued": "retry", "failed": "failed"}
+COUNTERS = {
+    "done": "done", "retry": "retried", "failed": "failed", "lost": "lost",
+    "claimed": "claimed", "released": "released", "reaped": "reaped",
+}
+
+
+def finished(
+    job: ClaimedJob,
+    status: str | None,
+    duration: float,
+    *,
+    stats: WorkerStats,
+    worker_id: str,
+    error: str | None = None,
+) -> None:
+    """Count and log a job whose outcome was written (``status`` None: fenced out)."""
+    outcome = OUTCOMES.get(status or "", "lost")
+    stats.add(COUNTERS[outcome])
+    log_outcome(job, outcome, duration, worker_id, error)
+
+
+def log_outcome(
+    job: ClaimedJob, outcome: str, duration: float, worker_id: str, error: str | None = None
+) -> None:
+    """The one line per finished job: id, task, attempt, outcome, duration."""
+    extra = {
+        "action": outcome,
+        "job_id": job.id,
+        "task": job.task,
+        "queue": job.queue,
+        "attempts": job.attempts,
+        "worker_id": worker_id,
+        "duration": duration,
+    }
+    message = "job %s %s attempt %s/%s %s in %.1f ms"
+    args = (job.id, job.task, job.attempts, job.max_attempts, outcome, duration * 1000)
+    if error is None:
+        logger.info(message, *args, extra=extra)
+        return
+    last_line = error.strip().splitlines()[-1] if error.strip() else "error"
+    level = logging.ERROR if outcome in ("failed", "lost") else logging.WARNING
+    logger.log(level, message + ": %s", *args, last_line, extra=extra)

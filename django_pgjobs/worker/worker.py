@@ -1,0 +1,294 @@
+"""The worker process: its producer loop, and how it starts and stops.
+
+The producer (the thread that calls ``run()``) waits for a reason to look at the table (a
+NOTIFY, the fallback poll, a freed executor slot while the queue may hold more) and claims a
+batch no larger than its free slots, so no claimed job waits behind another. It reaps
+expired leases every ``reap_interval``. An idle worker sends no query more often than the
+shorter of its poll and reap intervals: serverless Postgres may suspend in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+from django.db import connections
+
+from django_pgjobs import conf, validation
+from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.managers import ClaimedJob, JobManager
+from django_pgjobs.notify import Listener
+from django_pgjobs.worker.completer import Completer
+from django_pgjobs.worker.db import UNAVAILABLE, Backoff
+from django_pgjobs.worker.executor import Executor, Ticket
+from django_pgjobs.worker.outcomes import WorkerStats
+
+logger = logging.getLogger("django_pgjobs.worker")
+
+__all__ = ["Worker", "WorkerStats"]
+
+
+class Worker:
+    """Run jobs from ``queues`` until stopped (or, with ``burst``, until none is ready).
+
+    Every option defaults to its ``PGJOBS`` setting. ``run()`` returns the run's
+    ``WorkerStats``; ``stop()`` (or SIGTERM/SIGINT once ``install_signal_handlers()`` was
+    called) begins a graceful shutdown, a second signal exits the process at once.
+    """
+
+    def __init__(
+        self,
+        queues: Sequence[str] | None = None,
+        *,
+        concurrency: int | None = None,
+        batch_size: int | None = None,
+        lease: float | timedelta | None = None,
+        poll_interval: float | None = None,
+        reap_interval: float | None = None,
+        mode: str | None = None,
+        burst: bool = False,
+        max_jobs: int | None = None,
+        database: str | None = None,
+        listen_database: str | None = None,
+        shutdown_timeout: float | None = None,
+    ) -> None:
+        from django_pgjobs.models import Job
+
+        self.queues = [validation.queue_name(q) for q in (queues or [conf.default_queue()])]
+        self.concurrency = validation.positive_int(
+            "concurrency", conf.concurrency() if concurrency is None else concurrency
+        )
+        self.batch_size = validation.positive_int(
+            "batch_size", conf.batch_size() if batch_size is None else batch_size
+        )
+        self.lease = validation.positive_duration("lease", conf.lease() if lease is None else lease)
+        self.poll_interval = _seconds(
+            "poll_interval", conf.poll_interval() if poll_interval is None else poll_interval,
+            minimum=0.01,
+        )
+        self.reap_interval = _seconds(
+            "reap_interval", conf.reap_interval() if reap_interval is None else reap_interval,
+            minimum=0,
+        )
+        self.mode = conf.mode() if mode is None else mode
+        if self.mode not in conf.MODES:
+            raise InvalidJobOptions(f"Invalid mode {self.mode!r}: use 'lease' or 'transaction'.")
+        self.burst = burst
+        self.max_jobs = None if max_jobs is None else validation.positive_int("max_jobs", max_jobs)
+        self.database = database or conf.database()
+        self.listen_database = listen_database or (
+            conf.listen_database() if database is None else self.database
+        )
+        for alias in (self.database, self.listen_database):
+            if alias not in connections:
+                raise InvalidJobOptions(f"Unknown database alias {alias!r}: see DATABASES.")
+        self.shutdown_timeout = _seconds(
+            "shutdown_timeout",
+            conf.shutdown_timeout() if shutdown_timeout is None else shutdown_timeout,
+            minimum=0,
+        )
+        self.manager: JobManager = Job.objects.db_manager(self.database)
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.stats = WorkerStats()
+        self.stopping = threading.Event()
+        self._wake = threading.Event()
+        self._notified = 0
+        self._handoff: queue.SimpleQueue[ClaimedJob | Ticket | None] = queue.SimpleQueue()
+        self._signals = 0
+        self._next_queue = 0
+        self._lock = threading.Lock()
+        self._inflight = 0
+
+    # -- control -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown: claim nothing more, finish or release what we hold."""
+        self.stopping.set()
+        self._wake.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: the first stops gracefully, the second exits at once."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals += 1
+        name = signal.Signals(signum).name
+        if self._signals > 1:
+            logger.warning(
+                "%s again: exiting now; jobs still running come back after their lease", name,
+                extra={"action": "shutdown", "worker_id": self.worker_id},
+            )
+            os._exit(1)
+        logger.info(
+            "%s: stopping (running jobs may take %.0f s to finish; signal again to exit now)",
+            name, self.shutdown_timeout,
+            extra={"action": "shutdown", "worker_id": self.worker_id},
+        )
+        self.stop()
+
+    def _on_notify(self) -> None:
+        self._notified += 1
+        self._wake.set()
+
+    # -- the run -------------------------------------------------------------------------
+
+    def run(self) -> WorkerStats:
+        logger.info(
+            "worker %s starting: queues %s, %s mode, concurrency %s, batch %s, lease %.0f s, "
+            "poll %.0f s, reap %s",
+            self.worker_id, ",".join(self.queues), self.mode, self.concurrency,
+            self.batch_size, self.lease.total_seconds(), self.poll_interval,
+            f"{self.reap_interval:.0f} s" if self.reap_interval else "off",
+            extra={"action": "start", "worker_id": self.worker_id},
+        )
+        started = time.monotonic()
+        completer = Completer(self.manager, self.lease, self.stats, self.worker_id)
+        executors = [
+            Executor(
+                i, self._handoff, manager=self.manager, completer=completer, lease=self.lease,
+                stopping=self.stopping, on_done=self._job_done, stats=self.stats,
+                worker_id=self.worker_id,
+            )
+            for i in range(self.concurrency)
+        ]
+        listener = None
+        if not self.burst:
+            listener = Listener(
+                self.listen_database, self.queues, self._on_notify,
+                probe_interval=self.poll_interval,
+            )
+            listener.start()
+        completer.start()
+        for executor in executors:
+            executor.start()
+        try:
+            self._produce()
+        finally:
+            self._shut_down(executors, completer, listener)
+        logger.info(
+            "worker %s stopped after %.1f s: %s", self.worker_id, time.monotonic() - started,
+            self.stats.summary(), extra={"action": "stop", "worker_id": self.worker_id},
+        )
+        return self.stats
+
+    def _produce(self) -> None:
+        backoff = Backoff("producer")
+        maybe_more = True
+        notified = self._notified
+        next_poll = time.monotonic() + self.poll_interval
+        next_reap = time.monotonic()  # reap at start: a crashed predecessor's jobs come back
+        while not self.stopping.is_set():
+            self._wake.clear()
+            try:
+                if self.reap_interval and time.monotonic() >= next_reap:
+                    self.stats.add("reaped", len(self.manager.reap()))
+                    next_reap = time.monotonic() + self.reap_interval
+                free = self.concurrency - self._inflight
+                if self.max_jobs is not None:
+                    free = min(free, self.max_jobs - self.stats.claimed)
+                got = 0
+                if (maybe_more or self.burst) and free > 0:
+                    wanted = min(free, self.batch_size)
+                    got = self._dispatch(wanted)
+                    backoff.succeeded(self.database)
+                    maybe_more = got == wanted or self._notified != notified
+                    notified = self._notified
+                    next_poll = time.monotonic() + self.poll_interval
+                    if got:
+                        continue
+            except UNAVAILABLE as exc:
+                maybe_more = True
+                backoff.failed(self.database, exc, self.stopping)
+                continue
+            if self._inflight == 0 and (
+                (self.burst and got == 0 and free > 0) or self.max_jobs == self.stats.claimed
+            ):
+                return
+            timeout = next_poll - time.monotonic()
+            if self.reap_interval:
+                timeout = min(timeout, next_reap - time.monotonic())
+            self._wake.wait(max(0.0, timeout))
+            if self._notified != notified or time.monotonic() >= next_poll:
+                maybe_more = True
+                notified = self._notified
+
+    def _job_done(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+        self._wake.set()
+
+    def _hand_out(self, item: ClaimedJob | Ticket) -> None:
+        with self._lock:
+            self._inflight += 1
+        self._handoff.put(item)
+
+    def _dispatch(self, wanted: int) -> int:
+        """Claim up to ``wanted`` jobs across our queues (round robin); hand them out."""
+        got = 0
+        for offset in range(len(self.queues)):
+            queue_name = self.queues[(self._next_queue + offset) % len(self.queues)]
+            if self.mode == "lease":
+                jobs = self.manager.claim(queue_name, limit=wanted - got, lease=self.lease)
+                for job in jobs:
+                    self._hand_out(job)
+                found = len(jobs)
+            else:
+                found = self._dispatch_tickets(queue_name, wanted - got)
+            self.stats.add("claimed", found)
+            got += found
+            if got >= wanted:
+                break
+        self._next_queue = (self._next_queue + 1) % len(self.queues)
+        return got
+
+    def _dispatch_tickets(self, queue_name: str, wanted: int) -> int:
+        tickets = [Ticket(queue_name) for _ in range(wanted)]
+        for ticket in tickets:
+            self._hand_out(ticket)
+        for ticket in tickets:
+            ticket.claimed.wait()
+        for ticket in tickets:
+            if ticket.unavailable is not None:
+                raise ticket.unavailable
+        return sum(ticket.found for ticket in tickets)
+
+    def _shut_down(
+        self, executors: list[Executor], completer: Completer, listener: Listener | None
+    ) -> None:
+        self.stopping.set()
+        if listener is not None:
+            listener.stop()
+        for _ in executors:
+            self._handoff.put(None)
+        deadline = time.monotonic() + self.shutdown_timeout
+        for executor in executors:
+            executor.join(max(0.0, deadline - time.monotonic()))
+        still = [e.name for e in executors if e.is_alive()]
+        if still:
+            logger.warning(
+                "%s jobs still running after the %.0f s shutdown timeout; their leases will "
+                "expire and the reaper will requeue them", len(still), self.shutdown_timeout,
+                extra={"action": "shutdown", "worker_id": self.worker_id},
+            )
+        completer.close(timeout=max(self.shutdown_timeout, 5.0))
+        if listener is not None:
+            listener.join(timeout=5.0)
+        connections.close_all()
+
+
+def _seconds(name: str, value: Any, *, minimum: float) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise InvalidJobOptions(f"Invalid {name} {value!r}: use a number of seconds >= {minimum}.")
+    return float(value)
