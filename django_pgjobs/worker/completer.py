@@ -87,7 +87,7 @@ class Completer(threading.Thread):
         self.join(timeout)
         if self.is_alive():
             self._give_up.set()
-            self.join()
+            self.join(timeout)
 
     # -- the thread ----------------------------------------------------------------------
 

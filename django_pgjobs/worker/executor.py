@@ -125,6 +125,9 @@ class Executor(threading.Thread):
         self.completer.record(Outcome(job, FAIL if error else COMPLETE, duration, error))
 
     def _run_ticket(self, ticket: Ticket) -> None:
+        if self.stopping.is_set():
+            ticket.claimed.set()
+            return
         alias = self.manager.db_alias
         close_old_connections()
         try:
