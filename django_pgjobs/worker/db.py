@@ -47,3 +47,16 @@ class Backoff:
                 "%s: reconnected to database %s", self.what, alias, extra={"action": "reconnect"}
             )
             self.delay = 0.0
+
+
+def tidy() -> None:
+    """Between jobs: close this thread's connections that broke or were left mid-transaction.
+
+    Django closes a request's connections when ``CONN_MAX_AGE`` is 0, but an executor thread
+    is not a request: reconnecting for every job costs more than most jobs. Healthy
+    connections stay open; a positive ``CONN_MAX_AGE`` is still honoured as a maximum age.
+    """
+    for connection in connections.all(initialized_only=True):
+        if connection.settings_dict.get("CONN_MAX_AGE") == 0:
+            connection.close_at = None
+        connection.close_if_unusable_or_obsolete()

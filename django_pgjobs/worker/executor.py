@@ -20,13 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db import close_old_connections, connections, transaction
+from django.db import connections, transaction
 
 from django_pgjobs import registry
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
 from django_pgjobs.managers import ClaimedJob, JobManager
 from django_pgjobs.worker.completer import COMPLETE, FAIL, RELEASE, Completer, Outcome
-from django_pgjobs.worker.db import UNAVAILABLE, reset
+from django_pgjobs.worker.db import UNAVAILABLE, reset, tidy
 from django_pgjobs.worker.outcomes import WorkerStats, finished
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -108,11 +108,11 @@ class Executor(threading.Thread):
             return
         ctx = context(job)
         self.completer.track(job, ctx)
-        close_old_connections()
+        tidy()
         started = time.perf_counter()
         error = call(job, ctx)
         duration = time.perf_counter() - started
-        close_old_connections()
+        tidy()
         self.completer.untrack(job)
         if ctx.lost:
             self.stats.add("lost")
@@ -129,7 +129,7 @@ class Executor(threading.Thread):
             ticket.claimed.set()
             return
         alias = self.manager.db_alias
-        close_old_connections()
+        tidy()
         try:
             with transaction.atomic(using=alias):
                 jobs = self.manager.claim(
