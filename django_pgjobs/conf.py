@@ -54,11 +54,6 @@ def database() -> str:
     return str(get("DATABASE"))
 
 
-def listen_database() -> str:
-    alias = get("LISTEN_DATABASE")
-    return str(alias) if alias else database()
-
-
 def channel() -> str:
     return str(get("CHANNEL"))
 

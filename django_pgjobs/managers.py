@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from django.db import connections, models, router
+from django.db import connections, models
 from django.db.transaction import TransactionManagementError
 
 from django_pgjobs import conf, registry, sql, validation
@@ -74,8 +74,8 @@ class JobManager(models.Manager["Job"]):
 
     @property
     def db_alias(self) -> str:
-        """The alias this manager writes to (``db_manager(alias)`` or the router's choice)."""
-        return self._db or router.db_for_write(self.model)
+        """The alias the verbs run on: ``db_manager(alias)``, else ``PGJOBS["DATABASE"]``."""
+        return self._db or conf.database()
 
     def connection(self) -> BaseDatabaseWrapper:
         connection = connections[self.db_alias]
@@ -155,7 +155,11 @@ class JobManager(models.Manager["Job"]):
             max_attempts = func.max_attempts or conf.max_attempts()
         fields: dict[str, Any] = {
             "task": func.name,
-            "queue": validation.queue_name(queue or func.queue or conf.default_queue()),
+            # `is None`, not `or`: an empty (or otherwise bad) queue name is an error, not a
+            # request for the default queue.
+            "queue": validation.queue_name(
+                queue if queue is not None else func.queue or conf.default_queue()
+            ),
             "priority": validation.priority(func.priority if priority is None else priority),
             "max_attempts": validation.max_attempts(max_attempts),
         }

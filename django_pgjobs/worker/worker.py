@@ -85,8 +85,8 @@ class Worker:
         self.burst = burst
         self.max_jobs = None if max_jobs is None else validation.positive_int("max_jobs", max_jobs)
         self.database = database or conf.database()
-        self.listen_database = listen_database or (
-            conf.listen_database() if database is None else self.database
+        self.listen_database = (
+            listen_database or conf.get("LISTEN_DATABASE") or self.database
         )
         for alias in (self.database, self.listen_database):
             if alias not in connections:
