@@ -19,7 +19,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy django_pgjobs
-	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 	$(WITH_DB) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(BIN)/mypy django_pgjobs
 
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(VENV)/site
 
 demo: $(STAMP)
 	$(WITH_DB) $(BIN)/python scripts/demo.py
