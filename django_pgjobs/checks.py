@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,13 @@ def register() -> None:
 def _number(name: str, *, minimum: float, integer: bool) -> checks.CheckMessage | None:
     value = conf.get(name)
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+    # NaN and infinity compare as valid but cannot become a timedelta.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or not math.isfinite(value)
+        or value < minimum
+    ):
         kind = "a whole number" if integer else "a number of seconds"
         return checks.Error(
             f"PGJOBS[{name!r}] is {value!r}.",

@@ -93,6 +93,7 @@ def payload(value: object) -> str:
         raise InvalidPayload(
             f"The payload must be a dict of keyword arguments, not {type(value).__name__}."
         )
+    value = dict(value)
     _check(value, "payload")
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
@@ -108,7 +109,8 @@ def _check(value: object, path: str) -> None:
         if "\x00" in value:
             raise InvalidPayload(f"{path} contains a NUL character (\\u0000), which jsonb refuses.")
         return
-    if isinstance(value, Mapping):
+    # dict, not any Mapping: json.dumps cannot write other mappings.
+    if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise InvalidPayload(f"{path} has a key {key!r} that is not a string.")

@@ -1,0 +1,30 @@
+"""Suite-wide guards. The database is PostgreSQL from DATABASE_URL (see testproject.settings);
+pytest-django creates the test database from the app's migrations."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from django.conf import settings
+
+from tests.helpers import wait_until
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    db = settings.DATABASES["default"]
+    return f"database: {db['ENGINE']} {db.get('HOST') or 'socket'}:{db.get('PORT') or 5432}"
+
+
+@pytest.fixture(autouse=True)
+def _threads_finish() -> Iterator[None]:
+    """A test must not leave a thread behind: it could hold a lock or a connection into the
+    next test (and TransactionTestCase's flush would wait on it)."""
+    before = set(threading.enumerate())
+    yield
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
+        timeout=10,
+        message="the test's threads to finish",
+    )

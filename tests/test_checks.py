@@ -1,0 +1,129 @@
+"""System checks: each id fires for its bad setting, and none for the defaults."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.core import checks as django_checks
+from django.test import override_settings
+
+from django_pgjobs import checks, conf
+
+VALID: dict[str, Any] = {
+    "DATABASE": "default",
+    "LISTEN_DATABASE": "listen",
+    "CHANNEL": "jobs_1",
+    "QUEUE": "work.high",
+    "MAX_ATTEMPTS": 1,
+    "LEASE": 1,
+    "CONCURRENCY": 32,
+    "BATCH_SIZE": 1,
+    "POLL_INTERVAL": 0.5,
+    "REAP_INTERVAL": 0,
+    "MODE": "transaction",
+    "SHUTDOWN_TIMEOUT": 0,
+    "IMPORTS": ("testproject.testjobs",),
+}
+
+BAD: list[tuple[Any, str]] = [
+    (["QUEUE", "x"], "pgjobs.E001"),
+    ({"CONCURENCY": 4}, "pgjobs.E003"),
+    ({"MAX_ATTEMPTS": 0}, "pgjobs.E002"),
+    ({"MAX_ATTEMPTS": 2.5}, "pgjobs.E002"),
+    ({"CONCURRENCY": "4"}, "pgjobs.E002"),
+    ({"CONCURRENCY": 0}, "pgjobs.E002"),
+    ({"BATCH_SIZE": True}, "pgjobs.E002"),
+    ({"BATCH_SIZE": -1}, "pgjobs.E002"),
+    ({"LEASE": 0.5}, "pgjobs.E002"),
+    ({"LEASE": "300"}, "pgjobs.E002"),
+    ({"LEASE": float("nan")}, "pgjobs.E002"),
+    ({"LEASE": float("inf")}, "pgjobs.E002"),
+    ({"POLL_INTERVAL": 0}, "pgjobs.E002"),
+    ({"POLL_INTERVAL": None}, "pgjobs.E002"),
+    ({"REAP_INTERVAL": -1}, "pgjobs.E002"),
+    ({"SHUTDOWN_TIMEOUT": -0.1}, "pgjobs.E002"),
+    ({"MODE": "batch"}, "pgjobs.E004"),
+    ({"QUEUE": ""}, "pgjobs.E005"),
+    ({"QUEUE": "two words"}, "pgjobs.E005"),
+    ({"DATABASE": "nowhere"}, "pgjobs.E006"),
+    ({"LISTEN_DATABASE": "nowhere"}, "pgjobs.E006"),
+    ({"CHANNEL": ""}, "pgjobs.E007"),
+    ({"CHANNEL": "c" * 64}, "pgjobs.E007"),
+    ({"CHANNEL": None}, "pgjobs.E007"),
+    ({"IMPORTS": "testproject.testjobs"}, "pgjobs.E008"),
+    ({"IMPORTS": [1]}, "pgjobs.E008"),
+]
+
+
+def ids(messages: list[Any]) -> list[str]:
+    return [m.id for m in messages]
+
+
+def run_all() -> list[Any]:
+    return checks.check_settings() + checks.check_engine()
+
+
+def test_the_project_settings_pass() -> None:
+    assert run_all() == []
+    with override_settings(PGJOBS={}):
+        assert run_all() == []
+
+
+def test_every_setting_set_validly_passes() -> None:
+    assert set(VALID) == set(conf.DEFAULTS)
+    with override_settings(PGJOBS=VALID):
+        assert run_all() == []
+
+
+@pytest.mark.parametrize(("pgjobs", "check_id"), BAD, ids=[f"{b[1]}-{b[0]}" for b in BAD])
+def test_bad_setting_is_reported(pgjobs: Any, check_id: str) -> None:
+    with override_settings(PGJOBS=pgjobs):
+        errors = run_all()
+    assert ids(errors) == [check_id]
+    (error,) = errors
+    assert isinstance(error, django_checks.Error)
+    if isinstance(pgjobs, dict):
+        (key,) = pgjobs
+        assert key in error.msg  # the message names the setting
+    assert error.hint or check_id == "pgjobs.E005"
+
+
+def test_several_errors_are_all_reported() -> None:
+    with override_settings(PGJOBS={"MODE": "x", "CONCURRENCY": 0, "QUEUE": "a b", "X": 1}):
+        assert sorted(ids(run_all())) == [
+            "pgjobs.E002", "pgjobs.E003", "pgjobs.E004", "pgjobs.E005"]
+
+
+def test_checks_are_registered_with_django() -> None:
+    with override_settings(PGJOBS={"MODE": "batch"}):
+        found = django_checks.run_checks(tags=[django_checks.Tags.compatibility])
+    assert "pgjobs.E004" in ids(found)
+    assert "pgjobs.E004" not in ids(django_checks.run_checks())
+
+
+def test_non_postgresql_alias_is_reported() -> None:
+    databases = {
+        **settings.DATABASES,
+        "sqlite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
+    }
+    # Django warns that DATABASES overrides do not reach open connections: the check only
+    # reads the setting, so that is fine here.
+    for key in ("DATABASE", "LISTEN_DATABASE"):
+        with pytest.warns(UserWarning, match="DATABASES"), override_settings(
+            DATABASES=databases, PGJOBS={key: "sqlite"}
+        ):
+            errors = run_all()
+        assert ids(errors) == ["pgjobs.E010"]
+        assert "sqlite" in errors[0].msg
+        assert "postgresql" in errors[0].hint
+
+
+def test_every_check_id_is_tested() -> None:
+    source = Path(checks.__file__).read_text()
+    declared = set(re.findall(r'id="(pgjobs\.[EW]\d{3})"', source))
+    tested = {check_id for _, check_id in BAD} | {"pgjobs.E010"}
+    assert declared == tested

@@ -1,0 +1,443 @@
+"""enqueue and enqueue_many: what is written, what is refused, and the NOTIFY after commit."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import types
+from collections.abc import Callable
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+from django.db.transaction import TransactionManagementError
+from django.test import Client, TestCase, TransactionTestCase, override_settings
+from django.utils import timezone
+
+from django_pgjobs import job
+from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
+from django_pgjobs.models import Job
+from testproject.shop.jobs import send_confirmation
+from testproject.shop.models import Order
+from testproject.testjobs import noop, sleep
+from tests.helpers import job_row, listening, query, scalar
+
+NOOP = "testproject.testjobs.noop"
+
+
+@job(queue="reports", priority=7)
+def build_report(report_id: int) -> None:
+    """A test-only job with a default queue and priority."""
+
+
+def plain_function(**kwargs: object) -> None:
+    """Not decorated with @job."""
+
+
+def claim_order(queue: str, count: int) -> list[int]:
+    """Claim one at a time (inside the test's transaction) and return the ids in claim order."""
+    ids = []
+    with transaction.atomic():
+        for _ in range(count):
+            (claimed,) = Job.objects.claim(queue=queue, limit=1, mode="transaction")
+            ids.append(claimed.id)
+        assert Job.objects.claim(queue=queue, limit=1, mode="transaction") == []
+    return ids
+
+
+class EnqueueTests(TestCase):
+    def test_enqueue_writes_the_job_and_returns_it(self) -> None:
+        created = Job.objects.enqueue(noop, {"user_id": 1, "tags": ["a", "b"]})
+        stored = job_row(created.id)
+        assert stored["task"] == NOOP
+        assert stored["payload"] == {"user_id": 1, "tags": ["a", "b"]}
+        assert (stored["queue"], stored["status"], stored["attempts"]) == ("default", "queued", 0)
+        assert (stored["priority"], stored["max_attempts"]) == (0, 5)
+        assert created.run_at == stored["run_at"]
+        assert created.created_at == stored["created_at"]
+        # In one transaction now() is fixed: no delay means due at creation.
+        assert created.run_at == created.created_at
+        assert (created.task, created.queue, created.status) == (NOOP, "default", "queued")
+        assert Job.objects.get(id=created.id).payload == created.payload
+
+    def test_task_by_name_function_or_plain_function(self) -> None:
+        by_name = Job.objects.enqueue(NOOP)
+        by_wrapper = Job.objects.enqueue(noop)
+        by_function = Job.objects.enqueue(noop.func)
+        assert {by_name.task, by_wrapper.task, by_function.task} == {NOOP}
+        assert job_row(by_name.id)["payload"] == {}
+
+    def test_any_mapping_is_a_payload(self) -> None:
+        created = Job.objects.enqueue(noop, types.MappingProxyType({"a": 1}))
+        assert job_row(created.id)["payload"] == {"a": 1}
+
+    def test_function_enqueue_uses_kwargs_as_payload(self) -> None:
+        created = build_report.enqueue(report_id=42)
+        stored = job_row(created.id)
+        assert stored["payload"] == {"report_id": 42}
+        assert stored["task"] == "tests.test_enqueue.build_report"
+
+    def test_defaults_come_from_the_decorator_then_settings(self) -> None:
+        report = job_row(build_report.enqueue(report_id=1).id)
+        assert (report["queue"], report["priority"], report["max_attempts"]) == ("reports", 7, 5)
+        assert job_row(sleep.enqueue().id)["max_attempts"] == 3
+        order_job = job_row(send_confirmation.enqueue(order_id=1).id)
+        assert (order_job["queue"], order_job["max_attempts"]) == ("emails", 5)
+        with override_settings(PGJOBS={"QUEUE": "bulk", "MAX_ATTEMPTS": 9}):
+            plain = job_row(noop.enqueue().id)
+            decorated = job_row(build_report.enqueue(report_id=2).id)
+        assert (plain["queue"], plain["max_attempts"]) == ("bulk", 9)
+        assert (decorated["queue"], decorated["max_attempts"]) == ("reports", 9)
+        explicit = Job.objects.enqueue(
+            build_report, {"report_id": 3}, queue="other", priority=-5, max_attempts=1
+        )
+        stored = job_row(explicit.id)
+        assert (stored["queue"], stored["priority"], stored["max_attempts"]) == ("other", -5, 1)
+
+    def test_priority_orders_the_claim_then_run_at(self) -> None:
+        low = Job.objects.enqueue(noop, priority=-100, run_at=timezone.now() - timedelta(hours=1))
+        high_later = Job.objects.enqueue(noop, priority=100, run_at=timezone.now() - timedelta(1))
+        high_earlier = Job.objects.enqueue(noop, priority=100, run_at=timezone.now() - timedelta(2))
+        middle = Job.objects.enqueue(noop)
+        assert claim_order("default", 4) == [high_earlier.id, high_later.id, middle.id, low.id]
+
+    def test_delay_is_measured_on_the_database_clock(self) -> None:
+        by_timedelta = Job.objects.enqueue(noop, delay=timedelta(seconds=30))
+        by_seconds = Job.objects.enqueue(noop, delay=90)
+        for created, seconds in ((by_timedelta, 30), (by_seconds, 90)):
+            stored = job_row(created.id)
+            assert stored["run_at"] - stored["created_at"] == timedelta(seconds=seconds)
+            assert scalar("SELECT run_at - now() FROM pgjobs_job WHERE id = %s",
+                          [created.id]) == timedelta(seconds=seconds)
+
+    def test_future_run_at_is_not_claimed_until_due(self) -> None:
+        when = timezone.now() + timedelta(hours=1)
+        created = Job.objects.enqueue(noop, run_at=when)
+        assert job_row(created.id)["run_at"] == when
+        with transaction.atomic():
+            assert Job.objects.claim(mode="transaction") == []
+        query("UPDATE pgjobs_job SET run_at = now() WHERE id = %s RETURNING id", [created.id])
+        assert claim_order("default", 1) == [created.id]
+
+    def test_enqueue_many_writes_all_in_order(self) -> None:
+        payloads = [{"n": i} for i in range(50)]
+        ids = Job.objects.enqueue_many(noop, payloads, queue="bulk", priority=3)
+        assert len(ids) == 50
+        assert ids == sorted(ids)
+        assert [job_row(i)["payload"] for i in ids] == payloads
+        assert set(Job.objects.filter(id__in=ids).values_list("queue", "priority")) == {
+            ("bulk", 3)}
+        assert Job.objects.enqueue_many(noop, []) == []
+        assert Job.objects.count() == 50
+
+    def test_queue_and_priority_bounds_are_accepted(self) -> None:
+        Job.objects.enqueue(noop, queue="q" * 100, priority=100)
+        Job.objects.enqueue(noop, queue="a-b_c.d:E9", priority=-100)
+        assert Job.objects.count() == 2
+
+
+class NotifyOnCommitTests(TestCase):
+    """The hooks registered: one per queue per transaction, none for a rolled-back one."""
+
+    def test_one_hook_per_queue_per_transaction(self) -> None:
+        with self.captureOnCommitCallbacks() as hooks:
+            noop.enqueue(n=1)
+            noop.enqueue(n=2)
+            Job.objects.enqueue_many(noop, [{"n": 3}, {"n": 4}])
+            send_confirmation.enqueue(order_id=1)
+            send_confirmation.enqueue(order_id=2)
+        assert len(hooks) == 2
+
+    def test_a_hook_dropped_with_a_savepoint_is_registered_again(self) -> None:
+        with self.captureOnCommitCallbacks() as hooks:
+            with contextlib.suppress(RuntimeError), transaction.atomic():
+                noop.enqueue(n=1)
+                raise RuntimeError
+            noop.enqueue(n=2)
+        assert len(hooks) == 1
+        assert [j.payload for j in Job.objects.all()] == [{"n": 2}]
+
+    def test_rollback_leaves_no_row_and_no_hook(self) -> None:
+        with self.captureOnCommitCallbacks() as hooks:
+            with contextlib.suppress(RuntimeError), transaction.atomic():
+                noop.enqueue(n=1)
+                Job.objects.enqueue_many(noop, [{"n": 2}])
+                raise RuntimeError
+        assert hooks == []
+        assert Job.objects.count() == 0
+
+
+class BadInputTests(TestCase):
+    def assert_refused(
+        self, error: type[Exception], call: Callable[[], Any], match: str | None = None
+    ) -> Exception:
+        before = Job.objects.count()
+        # The savepoint keeps the test's transaction usable even if the database raised.
+        with pytest.raises(error, match=match) as info, transaction.atomic():
+            call()
+        assert Job.objects.count() == before
+        return info.value
+
+    def test_payload_values_json_cannot_hold_name_their_path(self) -> None:
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"when": timezone.now()}, "payload['when']"),
+            ({"day": dt.date(2024, 1, 1)}, "payload['day']"),
+            ({"user": {"tags": {"a", "b"}}}, "payload['user']['tags']"),
+            ({"items": [1, Decimal("1.5")]}, "payload['items'][1]"),
+            ({"order": object()}, "payload['order']"),
+            ({"ratio": float("nan")}, "payload['ratio']"),
+            ({"limits": [float("inf")]}, "payload['limits'][0]"),
+            ({"deep": [{"x": -float("inf")}]}, "payload['deep'][0]['x']"),
+            ({"name": "a\x00b"}, "payload['name']"),
+            ({"raw": b"bytes"}, "payload['raw']"),
+            ({"view": types.MappingProxyType({"a": 1})}, "payload['view']"),
+        ]
+        for payload, path in cases:
+            with self.subTest(payload=payload):
+                error = self.assert_refused(InvalidPayload, lambda p=payload: noop.enqueue(**p))
+                assert isinstance(error, TypeError)
+                assert path in str(error)
+
+    def test_payload_keys_and_shape(self) -> None:
+        for payload in ({1: "a"}, {"a\x00": 1}, {"ok": {("t",): 1}}):
+            with self.subTest(payload=payload):
+                self.assert_refused(
+                    InvalidPayload, lambda p=payload: Job.objects.enqueue(noop, p), "key"
+                )
+        for payload in ([1, 2], "text", 5, ("a",)):
+            with self.subTest(payload=payload):
+                self.assert_refused(
+                    InvalidPayload, lambda p=payload: Job.objects.enqueue(noop, p), "dict"
+                )
+
+    def test_one_bad_payload_in_enqueue_many_writes_none(self) -> None:
+        payloads: list[Any] = [{"n": i} for i in range(1000)]
+        payloads[499] = {"n": {1, 2}}
+        self.assert_refused(
+            InvalidPayload, lambda: Job.objects.enqueue_many(noop, payloads), r"\['n'\]"
+        )
+        payloads[499] = None
+        self.assert_refused(InvalidPayload, lambda: Job.objects.enqueue_many(noop, payloads))
+        assert Job.objects.count() == 0
+
+    def test_schedule_options(self) -> None:
+        soon = timezone.now() + timedelta(minutes=1)
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"run_at": soon, "delay": 5}, "not both"),
+            ({"run_at": dt.datetime(2030, 1, 1, 12, 0)}, "naive"),
+            ({"run_at": "2030-01-01T00:00:00Z"}, "run_at"),
+            ({"delay": timedelta(seconds=-1)}, "delay"),
+            ({"delay": -5}, "delay"),
+            ({"delay": "5 minutes"}, "delay"),
+        ]
+        for options, match in cases:
+            with self.subTest(options=options):
+                error = self.assert_refused(
+                    InvalidJobOptions, lambda o=options: Job.objects.enqueue(noop, **o), match
+                )
+                assert isinstance(error, ValueError)
+
+    def test_max_attempts_and_priority_ranges(self) -> None:
+        for value in (0, -1, 1.5, True, "3"):
+            with self.subTest(max_attempts=value):
+                self.assert_refused(
+                    InvalidJobOptions,
+                    lambda v=value: Job.objects.enqueue(noop, max_attempts=v),
+                    "max_attempts",
+                )
+        for value in (101, -101, 1.0, True, "1"):
+            with self.subTest(priority=value):
+                self.assert_refused(
+                    InvalidJobOptions,
+                    lambda v=value: Job.objects.enqueue(noop, priority=v),
+                    "priority",
+                )
+
+    def test_queue_names(self) -> None:
+        for name in ("", "q" * 101, "two words", "a/b", "é", "q;drop", 5, "line\n"):
+            with self.subTest(queue=name):
+                self.assert_refused(
+                    InvalidJobOptions,
+                    lambda n=name: Job.objects.enqueue(noop, queue=n),
+                    "queue name",
+                )
+                self.assert_refused(
+                    InvalidJobOptions,
+                    lambda n=name: Job.objects.enqueue_many(noop, [{}], queue=n),
+                    "queue name",
+                )
+
+    def test_unknown_tasks(self) -> None:
+        error = self.assert_refused(
+            UnknownTask, lambda: Job.objects.enqueue("app.jobs.not_there"), "app.jobs.not_there"
+        )
+        assert isinstance(error, ValueError)
+        self.assert_refused(UnknownTask, lambda: Job.objects.enqueue("os.system"), "os.system")
+        error = self.assert_refused(
+            UnknownTask, lambda: Job.objects.enqueue(plain_function), "plain_function"
+        )
+        assert "not a job" in str(error)
+        self.assert_refused(
+            UnknownTask, lambda: Job.objects.enqueue_many(plain_function, [{}]), "not a job"
+        )
+
+    def test_decorator_options_are_checked_when_registering(self) -> None:
+        with pytest.raises(InvalidJobOptions, match="queue name"):
+            job(queue="bad queue")
+        with pytest.raises(InvalidJobOptions, match="priority"):
+            job(priority=1000)
+        with pytest.raises(InvalidJobOptions, match="max_attempts"):
+            job(max_attempts=0)
+
+        def local() -> None: ...
+
+        with pytest.raises(ValueError, match="module-level"):
+            job(local)
+
+    def test_claim_options(self) -> None:
+        Job.objects.enqueue(noop)
+        for options, match in (
+            ({"limit": 0}, "limit"),
+            ({"limit": -3}, "limit"),
+            ({"limit": 2.5}, "limit"),
+            ({"lease": timedelta(0)}, "lease"),
+            ({"lease": timedelta(seconds=-1)}, "lease"),
+            ({"lease": 0}, "lease"),
+            ({"lease": "5m"}, "lease"),
+            ({"queue": ""}, "queue name"),
+        ):
+            with self.subTest(options=options):
+                error = self.assert_refused(
+                    InvalidJobOptions,
+                    lambda o=options: Job.objects.claim(mode="transaction", **o),
+                    match,
+                )
+                assert isinstance(error, ValueError)
+        with pytest.raises(TransactionManagementError), transaction.atomic():
+            Job.objects.claim()
+        assert Job.objects.get().status == "queued"
+
+
+class NotifyTests(TransactionTestCase):
+    """NOTIFY reaches a second connection only after commit, once per queue."""
+
+    def test_commit_notifies_each_queue_once_and_only_after_commit(self) -> None:
+        with listening() as listener:
+            with transaction.atomic():
+                noop.enqueue(n=1)
+                noop.enqueue(n=2)
+                send_confirmation.enqueue(order_id=1)
+                Job.objects.enqueue_many(noop, [{"n": 3}, {"n": 4}])
+                send_confirmation.enqueue(order_id=2)
+                assert listener.quiet() == []
+            assert sorted(listener.receive(2)) == ["default", "emails"]
+            assert listener.quiet() == []
+        assert Job.objects.count() == 6
+
+    def test_rollback_leaves_no_row_and_no_notification(self) -> None:
+        with listening() as listener:
+            with contextlib.suppress(RuntimeError), transaction.atomic():
+                noop.enqueue(n=1)
+                Job.objects.enqueue_many(noop, [{"n": 2}, {"n": 3}])
+                raise RuntimeError
+            assert listener.quiet() == []
+        assert Job.objects.count() == 0
+
+    def test_autocommit_enqueue_notifies_at_once(self) -> None:
+        with listening() as listener:
+            build_report.enqueue(report_id=1)
+            assert listener.receive(1) == ["reports"]
+
+    def test_enqueue_many_notifies_once(self) -> None:
+        with listening() as listener:
+            ids = Job.objects.enqueue_many(noop, [{"n": i} for i in range(100)])
+            assert listener.receive(1) == ["default"]
+            assert listener.quiet() == []
+        assert len(ids) == 100
+
+    def test_channel_comes_from_settings(self) -> None:
+        with override_settings(PGJOBS={"CHANNEL": "other_jobs"}), listening(
+            "other_jobs"
+        ) as other, listening() as default:
+            noop.enqueue()
+            assert other.receive(1) == ["default"]
+            assert default.quiet() == []
+
+    def test_a_failed_notify_is_logged_not_raised(self) -> None:
+        # The job is committed and safe; the NOTIFY is only a hint.
+        with override_settings(PGJOBS={"CHANNEL": "x" * 64}), self.assertLogs(
+            "django_pgjobs.notify", "WARNING"
+        ) as logs:
+            created = noop.enqueue(n=1)
+        assert "NOTIFY" in logs.output[0]
+        assert job_row(created.id)["status"] == "queued"
+
+
+class OrderViewTests(TestCase):
+    def test_post_creates_the_order_and_one_job(self) -> None:
+        with self.captureOnCommitCallbacks() as hooks:
+            response = Client().post(
+                "/orders/", json.dumps({"email": "a@example.com", "total_cents": 1250}),
+                content_type="application/json",
+            )
+        assert response.status_code == 201
+        body = response.json()
+        order = Order.objects.get()
+        assert body["order"] == order.pk
+        (created,) = Job.objects.all()
+        assert body["job"] == created.pk
+        assert created.task == "testproject.shop.jobs.send_confirmation"
+        assert (created.queue, created.payload) == ("emails", {"order_id": order.pk})
+        assert len(hooks) == 1
+
+    def test_failure_after_the_enqueue_keeps_neither(self) -> None:
+        with self.captureOnCommitCallbacks() as hooks:
+            with contextlib.suppress(RuntimeError), transaction.atomic():
+                order = Order.objects.create(email="b@example.com", total_cents=1)
+                send_confirmation.enqueue(order_id=order.pk)
+                raise RuntimeError("payment declined")
+        assert (Order.objects.count(), Job.objects.count(), hooks) == (0, 0, [])
+
+
+class OrderViewCommitTests(TransactionTestCase):
+    """The view's own transaction, committed (or not) for real."""
+
+    def test_post_commits_both_and_notifies(self) -> None:
+        with listening() as listener:
+            response = Client().post(
+                "/orders/", {"email": "c@example.com", "total_cents": 5},
+                content_type="application/json",
+            )
+            assert response.status_code == 201
+            assert listener.receive(1) == ["emails"]
+        assert Order.objects.count() == 1
+        assert Job.objects.get().payload == {"order_id": response.json()["order"]}
+
+    def drop_trigger(self) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER reject_order ON shop_order; DROP FUNCTION reject_order()")
+
+    def test_commit_that_fails_after_the_enqueue_keeps_neither(self) -> None:
+        # A deferred constraint trigger makes the view's COMMIT itself fail, after the
+        # order and its job were both written inside the view's atomic().
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "CREATE FUNCTION reject_order() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'order rejected at commit'; END $$;"
+                "CREATE CONSTRAINT TRIGGER reject_order AFTER INSERT ON shop_order "
+                "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION reject_order()"
+            )
+        self.addCleanup(self.drop_trigger)
+        with listening() as listener:
+            with pytest.raises(DatabaseError, match="rejected at commit"), self.assertLogs(
+                "django.request", "ERROR"
+            ):
+                Client().post(
+                    "/orders/", {"email": "d@example.com", "total_cents": 5},
+                    content_type="application/json",
+                )
+            assert listener.quiet() == []
+        assert (Order.objects.count(), Job.objects.count()) == (0, 0)
