@@ -153,9 +153,10 @@ class Listener(threading.Thread):
                     return
                 delay = min(max(delay * 2, 0.5), 30.0)
                 self.reconnects += 1
+                reason = str(exc).strip()
                 logger.warning(
                     "LISTEN connection to %s lost (%s); reconnecting in %.1f s",
-                    self.alias, str(exc).strip() or type(exc).__name__, delay,
+                    self.alias, reason.splitlines()[0] if reason else type(exc).__name__, delay,
                     extra={"action": "listen"},
                 )
                 self._stopping.wait(delay)

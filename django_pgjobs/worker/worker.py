@@ -191,8 +191,12 @@ class Worker:
             self._wake.clear()
             try:
                 if self.reap_interval and time.monotonic() >= next_reap:
-                    self.stats.add("reaped", len(self.manager.reap()))
+                    reaped = self.manager.reap()
+                    self.stats.add("reaped", len(reaped))
                     next_reap = time.monotonic() + self.reap_interval
+                    # A requeued job sends no NOTIFY: look for it now, not at the next poll.
+                    if any(row.status == "queued" for row in reaped):
+                        maybe_more = True
                 free = self.concurrency - self._inflight
                 if self.max_jobs is not None:
                     free = min(free, self.max_jobs - self.stats.claimed)

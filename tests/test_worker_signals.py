@@ -1,0 +1,99 @@
+"""Shutdown by signal, on a real worker process: the first SIGTERM/SIGINT stops claiming and
+lets running jobs finish; a second one exits at once and leaves them for the reaper."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from django_pgjobs.models import Job
+from testproject.testjobs import sleep
+from tests.helpers import wait_until
+from tests.workers import Workers, counts, query, running
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    with Workers(tmp_path) as started:
+        yield started
+
+
+def ids_with(status: str) -> set[int]:
+    return {row[0] for row in query("SELECT id FROM pgjobs_job WHERE status = %s", [status])}
+
+
+def test_sigterm_stops_claiming_and_lets_running_jobs_finish(workers: Workers) -> None:
+    Job.objects.enqueue_many(sleep, [{"seconds": 3}] * 22)
+    worker = workers.start("--concurrency", "2", "--poll-interval", "600")
+    wait_until(lambda: running() == 2, timeout=15, message="two jobs to be running")
+    started = ids_with("running")
+    # It claims only what it has free slots for: two, not a batch.
+    assert counts() == {"running": 2, "queued": 20}
+
+    worker.send(signal.SIGTERM)
+    sent = time.monotonic()
+    assert worker.wait(20) == 0
+    waited = time.monotonic() - sent
+
+    # It waited for the two jobs (3 s each, begun just before the signal) rather than
+    # abandoning them, and they are done, each on its first attempt.
+    assert waited > 1.5
+    assert ids_with("done") == started
+    assert counts() == {"done": 2, "queued": 20}
+    assert query(
+        "SELECT attempts, count(*) FROM pgjobs_job WHERE status = 'done' GROUP BY attempts"
+    ) == [(1, 2)]
+    # Nothing else was claimed, and nothing claimed-but-not-started kept an attempt: every job
+    # that is not done is queued exactly as it was enqueued.
+    assert query(
+        "SELECT count(*) FROM pgjobs_job WHERE status <> 'done' AND (status <> 'queued' "
+        "OR attempts <> 0 OR locked_until IS NOT NULL OR started_at IS NOT NULL)"
+    ) == [(0,)]
+    assert "SIGTERM: stopping" in worker.log()
+    assert worker.output().strip().splitlines()[-1].startswith(
+        "ran 2 jobs: 2 done, 0 to retry, 0 failed, 0 lost"
+    )
+
+
+def test_a_second_signal_exits_at_once_leaving_running_jobs_for_the_reaper(
+    workers: Workers,
+) -> None:
+    Job.objects.enqueue_many(sleep, [{"seconds": 20}] * 3)
+    worker = workers.start("--concurrency", "2", "--lease", "2", "--poll-interval", "600")
+    wait_until(lambda: running() == 2, timeout=15, message="two jobs to be running")
+    started = ids_with("running")
+
+    worker.send(signal.SIGTERM)
+    worker.wait_for_log("SIGTERM: stopping")
+    worker.send(signal.SIGINT)
+    sent = time.monotonic()
+    status = worker.wait(5)
+
+    assert status == 1
+    assert time.monotonic() - sent < 3, "the second signal must not wait for the jobs"
+    assert "SIGINT again: exiting now" in worker.log()
+    # Left as they were: running, first attempt, until their lease runs out.
+    assert ids_with("running") == started
+    assert ids_with("queued") and not ids_with("done")
+    assert query(
+        "SELECT DISTINCT attempts FROM pgjobs_job WHERE status = 'running'"
+    ) == [(1,)]
+
+    # After the 2 s lease the reaper brings them back, the crashed attempt counted.
+    wait_until(
+        lambda: query("SELECT bool_and(locked_until < now()) FROM pgjobs_job "
+                      "WHERE status = 'running'") == [(True,)],
+        timeout=5, message="the leases to expire",
+    )
+    reaper = workers.run("reapjobs")
+    assert "reaped 2 jobs: 2 requeued, 0 failed" in reaper.output()
+    assert counts() == {"queued": 3}
+    assert query(
+        "SELECT id, attempts FROM pgjobs_job WHERE attempts > 0 ORDER BY id"
+    ) == [(job_id, 1) for job_id in sorted(started)]

@@ -1,0 +1,255 @@
+"""Real worker processes for the tests: ``manage.py runjobs`` / ``reapjobs`` as subprocesses.
+
+A test starts workers through ``Workers`` (a context manager; the worker test modules wrap it
+in a ``workers`` fixture), which kills whatever is still running when the test ends, pass or
+fail. Each process runs against pytest's test database (``PGJOBS_TEST_DATABASE_NAME``) unless
+given another ``DATABASE_URL``, writes its stdout and its log (stderr) to files the test can
+read, and tags its database connections with its own ``application_name`` (libpq's
+``PGAPPNAME``) so a test can find them in ``pg_stat_activity``; the LISTEN connection names
+itself ``pgjobs-listener``.
+
+The module also defines a job the testproject lacks, one that writes through the ORM and can
+then raise; a worker started with ``test_jobs=True`` imports this module so it can run it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from django.conf import settings
+from django.db import connections
+
+from django_pgjobs import job
+from tests.helpers import wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+LISTENER_APP = "pgjobs-listener"
+SLEEP = "testproject.testjobs.sleep"
+# Starts Django, registers this module's jobs, then runs the command like manage.py would.
+WITH_TEST_JOBS = (
+    "import sys, django; django.setup(); import tests.workers; "
+    "from django.core.management import execute_from_command_line; "
+    "execute_from_command_line(['manage.py', *sys.argv[1:]])"
+)
+_serial = itertools.count(1)
+
+
+@job
+def write_order(email: str, fail: bool = False) -> None:
+    """Create an Order through the ORM, then raise if asked to."""
+    from testproject.shop.models import Order
+
+    Order.objects.create(email=email, total_cents=100)
+    if fail:
+        raise RuntimeError(f"failed after writing order {email}")
+
+
+class Process:
+    """One ``manage.py`` command running as a child process."""
+
+    def __init__(
+        self,
+        command: str,
+        args: tuple[str, ...],
+        *,
+        folder: Path,
+        database_url: str | None = None,
+        test_jobs: bool = False,
+    ) -> None:
+        serial = next(_serial)
+        self.name = f"{command}-{serial}"
+        self.app_name = f"pgjobs-test-{os.getpid()}-{serial}"
+        self.out_path = folder / f"{self.name}.out"
+        self.log_path = folder / f"{self.name}.log"
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "testproject.settings",
+            "DATABASE_URL": database_url or settings.DATABASE_URL,
+            "PGAPPNAME": self.app_name,
+            "PYTHONUNBUFFERED": "1",
+            "PGJOBS_LOG_LEVEL": "INFO",
+        }
+        env.pop("PGJOBS_TEST_DATABASE_NAME", None)
+        if database_url is None:
+            env["PGJOBS_TEST_DATABASE_NAME"] = connections["default"].settings_dict["NAME"]
+        head = ["-c", WITH_TEST_JOBS] if test_jobs else ["manage.py"]
+        with open(self.out_path, "wb") as out, open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, *head, command, *args],
+                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def send(self, sig: signal.Signals) -> None:
+        self.popen.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        """Wait for the process to exit; return its exit status."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.name} still running after {timeout} s; its log ends:\n{self.tail()}"
+            ) from None
+
+    def kill(self) -> None:
+        if self.alive:
+            self.popen.kill()
+        self.popen.wait(30)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-lines:]) + "\n--- stdout:\n" + self.output()
+
+    def wait_for_log(self, text: str, timeout: float = 20.0) -> str:
+        """Wait until ``text`` appears in the log; fail early if the process exits first."""
+
+        def seen() -> bool:
+            if text in self.log():
+                return True
+            if not self.alive and text not in self.log():
+                raise AssertionError(
+                    f"{self.name} exited ({self.popen.returncode}) before logging {text!r}:\n"
+                    f"{self.tail()}"
+                )
+            return False
+
+        wait_until(seen, timeout=timeout, interval=0.05, message=f"{self.name} to log {text!r}")
+        return self.log()
+
+    def backends(self) -> list[int]:
+        """pids of this process's (non-LISTEN) connections to the test database."""
+        return [
+            row[0]
+            for row in query(
+                "SELECT pid FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = %s",
+                [self.app_name],
+            )
+        ]
+
+
+class Workers:
+    """Starts worker (and reaper) processes; on exit kills every one still running."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.started: list[Process] = []
+
+    def start(
+        self, *args: str, database_url: str | None = None, test_jobs: bool = False
+    ) -> Process:
+        """``manage.py runjobs *args``."""
+        return self.command("runjobs", *args, database_url=database_url, test_jobs=test_jobs)
+
+    def command(
+        self, command: str, *args: str, database_url: str | None = None, test_jobs: bool = False
+    ) -> Process:
+        process = Process(
+            command, args, folder=self.folder, database_url=database_url, test_jobs=test_jobs
+        )
+        self.started.append(process)
+        return process
+
+    def run(self, command: str, *args: str, timeout: float = 60.0, **kwargs: Any) -> Process:
+        """Run a command to completion; it must exit 0."""
+        process = self.command(command, *args, **kwargs)
+        status = process.wait(timeout)
+        assert status == 0, f"{command} {args} exited {status}:\n{process.tail()}"
+        return process
+
+    def burst(self, *args: str, timeout: float = 60.0, **kwargs: Any) -> Process:
+        """``runjobs --burst *args`` to completion (exit 0)."""
+        return self.run("runjobs", "--burst", *args, timeout=timeout, **kwargs)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for process in self.started:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+
+# -- the database, as the test process sees it ------------------------------------------------
+
+
+def query(statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with connections["default"].cursor() as cursor:
+        cursor.execute(statement, params)
+        return list(cursor.fetchall()) if cursor.description else []
+
+
+def scalar(statement: str, params: Any = None) -> Any:
+    rows = query(statement, params)
+    assert len(rows) == 1 and len(rows[0]) == 1, rows
+    return rows[0][0]
+
+
+def counts() -> dict[str, int]:
+    """Jobs per status."""
+    return dict(query("SELECT status, count(*) FROM pgjobs_job GROUP BY status"))
+
+
+def done() -> int:
+    return int(scalar("SELECT count(*) FROM pgjobs_job WHERE status = 'done'"))
+
+
+def running() -> int:
+    return int(scalar("SELECT count(*) FROM pgjobs_job WHERE status = 'running'"))
+
+
+def ran(process: Process) -> int:
+    """The job count of the ``ran N jobs`` summary runjobs prints on stdout."""
+    for line in process.output().splitlines():
+        if line.startswith("ran "):
+            return int(line.split()[1])
+    raise AssertionError(f"{process.name} printed no 'ran N jobs' summary:\n{process.tail()}")
+
+
+def listener_backends() -> list[int]:
+    return [
+        row[0]
+        for row in query(
+            "SELECT pid FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s",
+            [LISTENER_APP],
+        )
+    ]
+
+
+def terminate(pids: list[int]) -> int:
+    """pg_terminate_backend each pid; return how many were terminated."""
+    if not pids:
+        return 0
+    return int(
+        scalar(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) AS gone "
+            "FROM pg_stat_activity WHERE pid = ANY(%s) AND pid <> pg_backend_pid()) t "
+            "WHERE gone",
+            [pids],
+        )
+    )
