@@ -37,6 +37,32 @@ def _number(name: str, *, minimum: float, integer: bool) -> checks.CheckMessage 
     return None
 
 
+# The retry delay is base * 2^min(attempts, 30) before the cap: keep it an interval PostgreSQL
+# can hold.
+MAX_BACKOFF_BASE = 86_400.0
+
+
+def backoff_errors(base: object, cap: object, where: str) -> list[checks.CheckMessage]:
+    """pgjobs.E009 for a backoff pair that is out of range (numbers are checked elsewhere)."""
+    numbers = all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        for v in (base, cap)
+    )
+    if not numbers:
+        return []
+    assert isinstance(base, (int, float)) and isinstance(cap, (int, float))
+    if base > MAX_BACKOFF_BASE or cap < base:
+        return [
+            checks.Error(
+                f"{where} backoff is BACKOFF_BASE={base!r}, BACKOFF_MAX={cap!r}.",
+                hint=f"Use 0 <= BACKOFF_BASE <= {MAX_BACKOFF_BASE:g} and BACKOFF_MAX >= "
+                "BACKOFF_BASE (defaults 10 and 3600 seconds).",
+                id="pgjobs.E009",
+            )
+        ]
+    return []
+
+
 def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
     raw = getattr(settings, "PGJOBS", {})
     if not isinstance(raw, dict):
@@ -64,11 +90,14 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         "POLL_INTERVAL": (0.01, False),
         "REAP_INTERVAL": (0, False),
         "SHUTDOWN_TIMEOUT": (0, False),
+        "BACKOFF_BASE": (0, False),
+        "BACKOFF_MAX": (0, False),
     }
     for name, (minimum, integer) in numbers.items():
         error = _number(name, minimum=minimum, integer=integer)
         if error:
             errors.append(error)
+    errors.extend(backoff_errors(conf.get("BACKOFF_BASE"), conf.get("BACKOFF_MAX"), "PGJOBS"))
     if conf.get("MODE") not in conf.MODES:
         errors.append(
             checks.Error(

@@ -22,6 +22,10 @@ DEFAULTS: dict[str, Any] = {
     "CHANNEL": "pgjobs",
     "QUEUE": "default",
     "MAX_ATTEMPTS": 5,
+    # A failed attempt n is retried BACKOFF_BASE * 2^n seconds later (20 s, 40 s, 80 s, ...),
+    # never more than BACKOFF_MAX seconds later.
+    "BACKOFF_BASE": 10.0,
+    "BACKOFF_MAX": 3600.0,
     # Seconds a claim owns a job before the reaper may take it back.
     "LEASE": 300.0,
     "CONCURRENCY": 4,
@@ -64,6 +68,11 @@ def default_queue() -> str:
 
 def max_attempts() -> int:
     return int(get("MAX_ATTEMPTS"))
+
+
+def backoff() -> tuple[float, float]:
+    """(base, cap) in seconds of the retry delay after a failed attempt."""
+    return float(get("BACKOFF_BASE")), float(get("BACKOFF_MAX"))
 
 
 def lease() -> timedelta:

@@ -21,3 +21,11 @@ class UnknownTask(PgJobsError, ValueError):
 
 class NotPostgreSQL(PgJobsError, RuntimeError):
     """The database alias is not a PostgreSQL database."""
+
+
+class InvalidResult(PgJobsError, TypeError):
+    """A task returned a value that JSON cannot hold, so it cannot be stored as its result."""
+
+
+class LeaseExpired(PgJobsError):
+    """Recorded (never raised) when the reaper takes back a job whose lease ran out."""

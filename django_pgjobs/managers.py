@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import os
+import socket
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -46,6 +49,34 @@ class ClaimedJob:
     payload: dict[str, Any]
     attempts: int
     max_attempts: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt, as django.tasks' ``TaskError`` holds it."""
+
+    exception_class_path: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> Failure:
+        kind = type(exc)
+        return cls(
+            f"{kind.__module__}.{kind.__qualname__}", "".join(traceback.format_exception(exc))
+        )
+
+    @classmethod
+    def of(cls, error: str | BaseException | Failure) -> Failure:
+        if isinstance(error, Failure):
+            return error
+        if isinstance(error, BaseException):
+            return cls.from_exception(error)
+        return cls("builtins.Exception", str(error))
+
+
+def default_worker_id() -> str:
+    """``host:pid``, recorded in ``worker_ids`` for each attempt this process claims."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 class Reaped(NamedTuple):
@@ -185,6 +216,7 @@ class JobManager(models.Manager["Job"]):
         lease: timedelta | float | None = None,
         *,
         mode: str = "lease",
+        worker_id: str | None = None,
     ) -> list[ClaimedJob]:
         """Take up to ``limit`` ready jobs of ``queue``, skipping rows other workers hold.
 
@@ -192,7 +224,7 @@ class JobManager(models.Manager["Job"]):
         (default ``PGJOBS["LEASE"]``) on the database clock. In ``lease`` mode the claim
         commits at once and must not run inside ``atomic()`` (that would hold its locks and
         freeze ``now()``); in ``transaction`` mode it must, and the caller completes the job
-        before committing.
+        before committing. ``worker_id`` (default ``host:pid``) is added to ``worker_ids``.
         """
         validation.queue_name(queue)
         validation.positive_int("limit", limit)
@@ -210,9 +242,11 @@ class JobManager(models.Manager["Job"]):
                 "claim(mode='transaction') must run inside transaction.atomic(): the claim, "
                 "the job and its completion share that transaction."
             )
-        rows = sql.run(
-            connection, sql.CLAIM, {"queue": queue, "limit": limit, "lease": lease_td}
-        )
+        params = {
+            "queue": queue, "limit": limit, "lease": lease_td,
+            "worker_id": worker_id or default_worker_id(),
+        }
+        rows = sql.run(connection, sql.CLAIM, params)
         return [
             ClaimedJob(
                 id=job_id,
@@ -227,32 +261,69 @@ class JobManager(models.Manager["Job"]):
 
     # -- fenced outcomes ---------------------------------------------------------------
 
-    def complete(self, job_id: int, attempts: int) -> bool:
-        """Mark a claimed job done. ``False``: the job is no longer ours; nothing changed."""
-        return job_id in self.complete_many([(job_id, attempts)])
+    def complete(self, job_id: int, attempts: int, result: Any = None) -> bool:
+        """Mark a claimed job done. ``False``: the job is no longer ours; nothing changed.
 
-    def complete_many(self, jobs: Iterable[tuple[int, int]]) -> set[int]:
-        """Complete ``(id, attempts)`` pairs in one statement; return the ids that changed."""
-        return self._fenced("complete", sql.COMPLETE, _pairs(jobs))
+        ``result`` (JSON values only) is stored as the job's return value.
+        """
+        results = {job_id: result} if result is not None else None
+        return job_id in self.complete_many([(job_id, attempts)], results)
 
-    def fail(self, job_id: int, attempts: int, error: str) -> str | None:
+    def complete_many(
+        self, jobs: Iterable[tuple[int, int]], results: Mapping[int, Any] | None = None
+    ) -> set[int]:
+        """Complete ``(id, attempts)`` pairs in one statement; return the ids that changed.
+
+        ``results`` maps a job id to its return value; every value is validated first.
+        """
+        pairs = _pairs(jobs)
+        results = results or {}
+        texts = [validation.result(results.get(job_id)) for job_id in pairs["ids"]]
+        return self._fenced("complete", sql.COMPLETE, pairs, results=texts)
+
+    def fail(
+        self,
+        job_id: int,
+        attempts: int,
+        error: str | BaseException | Failure,
+        *,
+        backoff: tuple[float, float] | None = None,
+    ) -> str | None:
         """Record a failed attempt: back to ``queued`` with backoff, or ``failed`` for good.
 
-        Returns the new status, or ``None`` when the job is no longer ours.
+        ``error`` is a message, an exception (its class and traceback are kept) or a
+        ``Failure``. ``backoff`` is ``(base, cap)`` in seconds (default the ``PGJOBS``
+        settings). Returns the new status, or ``None`` when the job is no longer ours.
         """
-        return self.fail_many([(job_id, attempts, error)]).get(job_id)
+        backoffs = {job_id: backoff} if backoff is not None else None
+        return self.fail_many([(job_id, attempts, error)], backoffs).get(job_id)
 
-    def fail_many(self, jobs: Iterable[tuple[int, int, str]]) -> dict[int, str]:
-        """Fail ``(id, attempts, error)`` triples in one statement; return id -> new status."""
+    def fail_many(
+        self,
+        jobs: Iterable[tuple[int, int, str | BaseException | Failure]],
+        backoff: Mapping[int, tuple[float, float]] | None = None,
+    ) -> dict[int, str]:
+        """Fail ``(id, attempts, error)`` triples in one statement; return id -> new status.
+
+        ``backoff`` maps a job id to its ``(base, cap)``; others use the settings.
+        """
         ordered = sorted(jobs, key=lambda item: item[0])
         if not ordered:
             return {}
         ids = [int(j[0]) for j in ordered]
         attempts = [int(j[1]) for j in ordered]
-        errors = [_clean_error(j[2]) for j in ordered]
-        rows = sql.run(
-            self.connection(), sql.FAIL, {"ids": ids, "attempts": attempts, "errors": errors}
-        )
+        failures = [Failure.of(j[2]) for j in ordered]
+        default = conf.backoff()
+        delays = [(backoff or {}).get(job_id, default) for job_id in ids]
+        params = {
+            "ids": ids,
+            "attempts": attempts,
+            "errors": [_clean_error(f.traceback) for f in failures],
+            "error_classes": [f.exception_class_path for f in failures],
+            "bases": [float(base) for base, _cap in delays],
+            "caps": [float(cap) for _base, cap in delays],
+        }
+        rows = sql.run(self.connection(), sql.FAIL, params)
         result = {row[0]: row[1] for row in rows}
         self._warn_fenced("fail", ids, attempts, set(result))
         return result

@@ -2,10 +2,18 @@
 
 The schema is the seed's (``queue``, ``payload``, ``status``, ``run_at``, ``attempts``,
 ``max_attempts``, ``locked_until``, ``last_error``, ``created_at``) plus what the lifecycle
-needs: ``task`` (which registered function runs the payload), ``priority`` (claim order,
--100..100), ``started_at`` (when the current attempt was claimed: durations, stuck jobs) and
-``finished_at`` (when it reached done/failed: pruning by age of completion). The SQL that
-creates it is frozen in migration 0001; the fields here mirror it for the ORM and the admin.
+needs, each for a reason:
+
+- ``task``: which registered function runs the payload;
+- ``priority``: claim order, -100..100 (django.tasks' range);
+- ``started_at`` / ``attempted_at``: when the first and the latest attempt were claimed
+  (durations, stuck jobs, django.tasks' ``started_at`` and ``last_attempted_at``);
+- ``finished_at``: when it reached done/failed (pruning by age of completion);
+- ``result``: the JSON return value of a django.tasks task;
+- ``errors``: every failed attempt (exception class path and traceback);
+- ``worker_ids``: the worker that claimed each attempt.
+
+The SQL that creates it is frozen in the migrations; the fields mirror it for the ORM.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import django
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import Q
 
@@ -48,6 +57,10 @@ class Job(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    attempted_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    errors = models.JSONField(default=list)
+    worker_ids = ArrayField(models.TextField(), default=list)
 
     objects: ClassVar[JobManager] = JobManager()
 
@@ -92,6 +105,10 @@ class ArchivedJob(models.Model):
     created_at = models.DateTimeField()
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    attempted_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    errors = models.JSONField(default=list)
+    worker_ids = ArrayField(models.TextField(), default=list)
     archived_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

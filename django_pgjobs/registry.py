@@ -31,12 +31,18 @@ class JobFunction(Generic[P, R]):
         queue: str | None,
         max_attempts: int | None,
         priority: int,
+        backoff: tuple[float, float] | None = None,
+        stores_result: bool = False,
     ) -> None:
         self.func = func
         self.name = name
         self.queue = queue
         self.max_attempts = max_attempts
         self.priority = priority
+        # (base, cap) seconds of the retry delay; None: the PGJOBS settings.
+        self.backoff = backoff
+        # Whether the return value is recorded (django.tasks results); @job ignores it.
+        self.stores_result = stores_result
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -112,6 +118,11 @@ def job(
     if func is not None:
         return register(func)
     return register
+
+
+def register(wrapper: JobFunction[..., Any]) -> None:
+    """Add (or replace) a registration under its name: the django.tasks backend uses it."""
+    _registry[wrapper.name] = wrapper
 
 
 def get(name: str) -> JobFunction[..., Any]:

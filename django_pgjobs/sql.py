@@ -53,7 +53,9 @@ UPDATE pgjobs_job j
 SET status       = 'running',
     attempts     = j.attempts + 1,
     locked_until = now() + %(lease)s::interval,
-    started_at   = now()
+    started_at   = coalesce(j.started_at, now()),
+    attempted_at = now(),
+    worker_ids   = j.worker_ids || %(worker_id)s::text
 FROM next
 WHERE j.id = next.id
 RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts
@@ -61,25 +63,31 @@ RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts
 
 COMPLETE: LiteralString = """
 UPDATE pgjobs_job j
-SET status = 'done', locked_until = NULL, finished_at = now()
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS mine(id, attempts)
+SET status = 'done', locked_until = NULL, finished_at = now(), result = mine.result
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::jsonb[])
+     AS mine(id, attempts, result)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
 RETURNING j.id
 """
 
-# Back to queued after 20 s, 40 s, 80 s, ... (10 s * 2^attempts, at most an hour), or failed
-# for good once the attempts are used up. The exponent is capped so that a job with a huge
-# max_attempts cannot overflow the interval: 2^9 * 10 s already passes the hour.
+# Back to queued after base * 2^attempts seconds (the seed's 20 s, 40 s, 80 s, 160 s with
+# base 10 s), at most `cap` seconds (an hour by default), or failed for good once the
+# attempts are used up. The exponent is capped so a huge max_attempts cannot overflow the
+# interval (the checks keep base * 2^30 within range). Every failed attempt is kept in
+# `errors` (class path and traceback: django.tasks' TaskError), the latest in last_error.
 FAIL: LiteralString = """
 UPDATE pgjobs_job j
 SET status       = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
-    run_at       = now() + least(interval '1 hour',
-                                 interval '10 seconds' * 2 ^ least(j.attempts, 16)),
+    run_at       = now() + least(mine.cap * interval '1 second',
+                                 mine.base * interval '1 second' * 2 ^ least(j.attempts, 30)),
     locked_until = NULL,
     last_error   = mine.error,
+    errors       = j.errors || jsonb_build_array(jsonb_build_object(
+                     'exception_class_path', mine.error_class, 'traceback', mine.error)),
     finished_at  = CASE WHEN j.attempts >= j.max_attempts THEN now() END
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(errors)s::text[])
-     AS mine(id, attempts, error)
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(errors)s::text[],
+            %(error_classes)s::text[], %(bases)s::float8[], %(caps)s::float8[])
+     AS mine(id, attempts, error, error_class, base, cap)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
 RETURNING j.id, j.status, j.run_at
 """
@@ -96,7 +104,12 @@ RETURNING j.id
 # Give back a job that was claimed but never started: the claim's attempt is not counted.
 RELEASE: LiteralString = """
 UPDATE pgjobs_job j
-SET status = 'queued', attempts = j.attempts - 1, locked_until = NULL, started_at = NULL
+SET status       = 'queued',
+    attempts     = j.attempts - 1,
+    locked_until = NULL,
+    started_at   = CASE WHEN j.attempts > 1 THEN j.started_at END,
+    attempted_at = NULL,
+    worker_ids   = j.worker_ids[1:cardinality(j.worker_ids) - 1]
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS mine(id, attempts)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
 RETURNING j.id
@@ -119,6 +132,9 @@ UPDATE pgjobs_job j
 SET status       = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
     locked_until = NULL,
     last_error   = coalesce(j.last_error, 'lease expired'),
+    errors       = j.errors || jsonb_build_array(jsonb_build_object(
+                     'exception_class_path', 'django_pgjobs.exceptions.LeaseExpired',
+                     'traceback', 'lease expired')),
     finished_at  = CASE WHEN j.attempts >= j.max_attempts THEN now() END
 FROM expired
 WHERE j.id = expired.id AND j.status = 'running' AND j.locked_until < now()
@@ -156,11 +172,12 @@ WITH doomed AS (
   WHERE j.id = doomed.id
   RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
             j.max_attempts, j.locked_until, j.last_error, j.created_at, j.started_at,
-            j.finished_at
+            j.finished_at, j.attempted_at, j.result, j.errors, j.worker_ids
 )
 INSERT INTO pgjobs_job_archive (id, queue, task, payload, status, priority, run_at, attempts,
                                 max_attempts, locked_until, last_error, created_at,
-                                started_at, finished_at)
+                                started_at, finished_at, attempted_at, result, errors,
+                                worker_ids)
 SELECT * FROM moved
 """
 

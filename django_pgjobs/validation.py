@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload
+from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, InvalidResult
 
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 PRIORITY_RANGE = range(-100, 101)
@@ -98,32 +98,39 @@ def payload(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
-def _check(value: object, path: str) -> None:
+def _check(value: object, path: str, error: type[Exception] = InvalidPayload) -> None:
     if value is None or isinstance(value, (bool, int)):
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise InvalidPayload(f"{path} is {value!r}: JSON has no NaN or Infinity.")
+            raise error(f"{path} is {value!r}: JSON has no NaN or Infinity.")
         return
     if isinstance(value, str):
         if "\x00" in value:
-            raise InvalidPayload(f"{path} contains a NUL character (\\u0000), which jsonb refuses.")
+            raise error(f"{path} contains a NUL character (\\u0000), which jsonb refuses.")
         return
     # dict, not any Mapping: json.dumps cannot write other mappings.
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise InvalidPayload(f"{path} has a key {key!r} that is not a string.")
+                raise error(f"{path} has a key {key!r} that is not a string.")
             if "\x00" in key:
-                raise InvalidPayload(f"{path} has a key with a NUL character (\\u0000).")
-            _check(item, f"{path}[{key!r}]")
+                raise error(f"{path} has a key with a NUL character (\\u0000).")
+            _check(item, f"{path}[{key!r}]", error)
         return
     if isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            _check(item, f"{path}[{index}]")
+            _check(item, f"{path}[{index}]", error)
         return
-    raise InvalidPayload(
+    raise error(
         f"{path} is a {type(value).__name__} ({value!r:.60}), which JSON cannot hold: "
         "pass str, int, float, bool, None, list or dict (e.g. an id instead of an object)."
     )
 
+
+def result(value: object) -> str | None:
+    """A task's return value as JSON text (None stays SQL NULL), or ``InvalidResult``."""
+    if value is None:
+        return None
+    _check(value, "the return value", InvalidResult)
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)

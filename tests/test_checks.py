@@ -27,6 +27,8 @@ VALID: dict[str, Any] = {
     "MODE": "transaction",
     "SHUTDOWN_TIMEOUT": 0,
     "IMPORTS": ("testproject.testjobs",),
+    "BACKOFF_BASE": 0,
+    "BACKOFF_MAX": 0.5,
 }
 
 BAD: list[tuple[Any, str]] = [
@@ -56,6 +58,10 @@ BAD: list[tuple[Any, str]] = [
     ({"CHANNEL": None}, "pgjobs.E007"),
     ({"IMPORTS": "testproject.testjobs"}, "pgjobs.E008"),
     ({"IMPORTS": [1]}, "pgjobs.E008"),
+    ({"BACKOFF_BASE": -1}, "pgjobs.E002"),
+    ({"BACKOFF_MAX": "1h"}, "pgjobs.E002"),
+    ({"BACKOFF_BASE": 100_000}, "pgjobs.E009"),
+    ({"BACKOFF_BASE": 60, "BACKOFF_MAX": 30}, "pgjobs.E009"),
 ]
 
 
@@ -87,8 +93,8 @@ def test_bad_setting_is_reported(pgjobs: Any, check_id: str) -> None:
     (error,) = errors
     assert isinstance(error, django_checks.Error)
     if isinstance(pgjobs, dict):
-        (key,) = pgjobs
-        assert key in error.msg  # the message names the setting
+        for key in pgjobs:
+            assert key in error.msg  # the message names the setting
     assert error.hint or check_id == "pgjobs.E005"
 
 

@@ -30,7 +30,7 @@ class ClaimPlanTests(TransactionTestCase):
             cursor.execute("ANALYZE pgjobs_job")
             cursor.execute(
                 "EXPLAIN (COSTS OFF) " + sql.CLAIM,
-                {"queue": "default", "limit": 10, "lease": "5 minutes"},
+                {"queue": "default", "limit": 10, "lease": "5 minutes", "worker_id": "explain"},
             )
             plan = [row[0] for row in cursor.fetchall()]
         text = "\n".join(plan)

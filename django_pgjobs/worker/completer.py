@@ -17,11 +17,12 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from django.db import connections
 
 from django_pgjobs.context import JobContext
-from django_pgjobs.managers import ClaimedJob, JobManager
+from django_pgjobs.managers import ClaimedJob, Failure, JobManager
 from django_pgjobs.worker.db import UNAVAILABLE, Backoff
 from django_pgjobs.worker.outcomes import WorkerStats, finished
 
@@ -32,10 +33,14 @@ COMPLETE, FAIL, RELEASE = "complete", "fail", "release"
 
 @dataclass
 class Outcome:
+    """What to write for one job: complete (with its result), fail, or release."""
+
     job: ClaimedJob
     action: str
     duration: float = 0.0
-    error: str | None = None
+    failure: Failure | None = None
+    result: Any = None
+    backoff: tuple[float, float] | None = None
 
 
 @dataclass
@@ -135,10 +140,7 @@ class Completer(threading.Thread):
             if action in (COMPLETE, FAIL):
                 statuses = self._finish(action, group)
                 for o in group:
-                    finished(
-                        o.job, statuses.get(o.job.id), o.duration, stats=self.stats,
-                        worker_id=self.worker_id, error=o.error,
-                    )
+                    finished(o, statuses.get(o.job.id), stats=self.stats, worker_id=self.worker_id)
             else:
                 released = self.manager.release_many((o.job.id, o.job.attempts) for o in group)
                 self.stats.add("released", len(released))
@@ -146,9 +148,15 @@ class Completer(threading.Thread):
 
     def _finish(self, action: str, group: list[Outcome]) -> dict[int, str]:
         if action == COMPLETE:
-            done = self.manager.complete_many((o.job.id, o.job.attempts) for o in group)
+            done = self.manager.complete_many(
+                ((o.job.id, o.job.attempts) for o in group),
+                {o.job.id: o.result for o in group if o.result is not None},
+            )
             return dict.fromkeys(done, "done")
-        return self.manager.fail_many((o.job.id, o.job.attempts, o.error or "") for o in group)
+        return self.manager.fail_many(
+            ((o.job.id, o.job.attempts, o.failure or "") for o in group),
+            {o.job.id: o.backoff for o in group if o.backoff is not None},
+        )
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

@@ -15,16 +15,15 @@ import logging
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.db import connections, transaction
 
-from django_pgjobs import registry
+from django_pgjobs import registry, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
-from django_pgjobs.managers import ClaimedJob, JobManager
+from django_pgjobs.managers import ClaimedJob, Failure, JobManager
 from django_pgjobs.worker.completer import COMPLETE, FAIL, RELEASE, Completer, Outcome
 from django_pgjobs.worker.db import UNAVAILABLE, reset, tidy
 from django_pgjobs.worker.outcomes import WorkerStats, finished
@@ -42,16 +41,29 @@ class Ticket:
     unavailable: BaseException | None = None
 
 
-def call(job: ClaimedJob, ctx: JobContext) -> str | None:
-    """Run the registered function; return the traceback text if it raised."""
+def call(job: ClaimedJob, ctx: JobContext) -> Outcome:
+    """Run the registered function with the payload as keyword arguments.
+
+    A task whose result is kept must return a JSON value: anything else fails the attempt
+    with ``InvalidResult`` rather than crash the worker later, when it is written.
+    """
     token = set_current_job(ctx)
+    backoff = None
+    started = time.perf_counter()
     try:
-        registry.get(job.task).func(**job.payload)
-    except Exception:
-        return traceback.format_exc()
+        func = registry.get(job.task)
+        backoff = func.backoff
+        value = func.func(**job.payload)
+        if func.stores_result:
+            validation.result(value)
+        else:
+            value = None
+    except Exception as exc:
+        failure = Failure.from_exception(exc)
+        return Outcome(job, FAIL, time.perf_counter() - started, failure, backoff=backoff)
     finally:
         reset_current_job(token)
-    return None
+    return Outcome(job, COMPLETE, time.perf_counter() - started, result=value)
 
 
 def context(job: ClaimedJob) -> JobContext:
@@ -109,9 +121,7 @@ class Executor(threading.Thread):
         ctx = context(job)
         self.completer.track(job, ctx)
         tidy()
-        started = time.perf_counter()
-        error = call(job, ctx)
-        duration = time.perf_counter() - started
+        outcome = call(job, ctx)
         tidy()
         self.completer.untrack(job)
         if ctx.lost:
@@ -122,7 +132,7 @@ class Executor(threading.Thread):
                 extra={"action": "extend_lease", "job_id": job.id, "attempts": job.attempts},
             )
             return
-        self.completer.record(Outcome(job, FAIL if error else COMPLETE, duration, error))
+        self.completer.record(outcome)
 
     def _run_ticket(self, ticket: Ticket) -> None:
         if self.stopping.is_set():
@@ -133,23 +143,18 @@ class Executor(threading.Thread):
         try:
             with transaction.atomic(using=alias):
                 jobs = self.manager.claim(
-                    ticket.queue, limit=1, lease=self.lease, mode="transaction"
+                    ticket.queue, limit=1, lease=self.lease, mode="transaction",
+                    worker_id=self.worker_id,
                 )
                 ticket.found = bool(jobs)
                 ticket.claimed.set()
                 if not jobs:
                     return
-                job = jobs[0]
-                started = time.perf_counter()
                 with transaction.atomic(using=alias):
-                    error = call(job, context(job))
-                    if error:
+                    outcome = call(jobs[0], context(jobs[0]))
+                    if outcome.failure:
                         transaction.set_rollback(True, using=alias)
-                duration = time.perf_counter() - started
-                if error:
-                    status = self.manager.fail(job.id, job.attempts, error)
-                else:
-                    status = "done" if self.manager.complete(job.id, job.attempts) else None
+                status = self._finish_in_transaction(outcome)
         except UNAVAILABLE as exc:
             ticket.unavailable = exc
             ticket.claimed.set()
@@ -157,4 +162,13 @@ class Executor(threading.Thread):
             return
         finally:
             ticket.claimed.set()
-        finished(job, status, duration, stats=self.stats, worker_id=self.worker_id, error=error)
+        finished(outcome, status, stats=self.stats, worker_id=self.worker_id)
+
+    def _finish_in_transaction(self, outcome: Outcome) -> str | None:
+        job = outcome.job
+        if outcome.failure:
+            return self.manager.fail(
+                job.id, job.attempts, outcome.failure, backoff=outcome.backoff
+            )
+        done = self.manager.complete(job.id, job.attempts, outcome.result)
+        return "done" if done else None

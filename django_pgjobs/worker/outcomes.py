@@ -5,8 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from django_pgjobs.managers import ClaimedJob
+
+if TYPE_CHECKING:
+    from django_pgjobs.worker.completer import Outcome
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -51,18 +55,13 @@ COUNTERS = {
 
 
 def finished(
-    job: ClaimedJob,
-    status: str | None,
-    duration: float,
-    *,
-    stats: WorkerStats,
-    worker_id: str,
-    error: str | None = None,
+    outcome: Outcome, status: str | None, *, stats: WorkerStats, worker_id: str
 ) -> None:
     """Count and log a job whose outcome was written (``status`` None: fenced out)."""
-    outcome = OUTCOMES.get(status or "", "lost")
-    stats.add(COUNTERS[outcome])
-    log_outcome(job, outcome, duration, worker_id, error)
+    result = OUTCOMES.get(status or "", "lost")
+    stats.add(COUNTERS[result])
+    error = outcome.failure.traceback if outcome.failure else None
+    log_outcome(outcome.job, result, outcome.duration, worker_id, error)
 
 
 def log_outcome(

@@ -13,7 +13,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from django.db import connections
 
 from django_pgjobs import conf, validation
 from django_pgjobs.exceptions import InvalidJobOptions
-from django_pgjobs.managers import ClaimedJob, JobManager
+from django_pgjobs.managers import ClaimedJob, JobManager, default_worker_id
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import UNAVAILABLE, Backoff
@@ -97,7 +96,7 @@ class Worker:
             minimum=0,
         )
         self.manager: JobManager = Job.objects.db_manager(self.database)
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.worker_id = default_worker_id()
         self.stats = WorkerStats()
         self.stopping = threading.Event()
         self._wake = threading.Event()
@@ -242,7 +241,9 @@ class Worker:
         for offset in range(len(self.queues)):
             queue_name = self.queues[(self._next_queue + offset) % len(self.queues)]
             if self.mode == "lease":
-                jobs = self.manager.claim(queue_name, limit=wanted - got, lease=self.lease)
+                jobs = self.manager.claim(
+                    queue_name, limit=wanted - got, lease=self.lease, worker_id=self.worker_id
+                )
                 for job in jobs:
                     self._hand_out(job)
                 found = len(jobs)
