@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import dj_database_url
+import django
 
 BASE_DIR = Path(__file__).resolve().parent
 SECRET_KEY = os.environ.get("SECRET_KEY", "testproject-only-not-secret")
@@ -68,6 +69,16 @@ STATIC_URL = "static/"
 USE_TZ = True
 TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+TASKS = {
+    "default": {
+        "BACKEND": "django_pgjobs.backends.PgJobsBackend",
+        "QUEUES": ["default", "emails", "reports"],
+        "OPTIONS": {"MAX_ATTEMPTS": 3, "BACKOFF_BASE": 1.0, "BACKOFF_MAX": 60.0},
+    }
+}
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")  # the backport of django.tasks
 
 PGJOBS = {
     "IMPORTS": ["testproject.testjobs"],

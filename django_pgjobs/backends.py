@@ -1,0 +1,253 @@
+"""A backend for Django's tasks framework, on the same table, claim and worker as ``@job``.
+
+Use it with ``TASKS = {"default": {"BACKEND": "django_pgjobs.backends.PgJobsBackend"}}``:
+on Django 6.0+ it implements ``django.tasks``; on older Django it implements the
+``django-tasks`` backport (``pip install django-pgjobs[tasks]``). A ``@task`` becomes a row
+whose ``task`` is the function's module path and whose payload holds its ``args`` and
+``kwargs``; ``runjobs`` runs it with the same lease, fences, retries and reaper as a job.
+
+``OPTIONS``: ``DATABASE`` (alias, default ``PGJOBS["DATABASE"]``), ``MAX_ATTEMPTS``,
+``BACKOFF_BASE`` and ``BACKOFF_MAX`` (defaults: the ``PGJOBS`` settings of the same names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.core import checks as django_checks
+
+from django_pgjobs import checks, conf, registry, validation
+from django_pgjobs.context import current_job
+from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
+from django_pgjobs.registry import JobFunction
+
+try:  # Django 6.0+
+    from django.tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import Task, TaskError
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.signals import task_enqueued, task_finished, task_started
+except ImportError:  # the django-tasks backport
+    from django_tasks import (  # type: ignore[assignment, no-redef, unused-ignore]
+        TaskContext,
+        TaskResult,
+        TaskResultStatus,
+        task_backends,
+    )
+    from django_tasks.backends.base import BaseTaskBackend  # type: ignore[assignment, no-redef, unused-ignore]
+    from django_tasks.base import Task, TaskError  # type: ignore[assignment, no-redef, unused-ignore]
+    from django_tasks.exceptions import (  # type: ignore[assignment, no-redef, unused-ignore]
+        InvalidTaskError as InvalidTask,
+    )
+    from django_tasks.exceptions import TaskResultDoesNotExist  # type: ignore[assignment, no-redef, unused-ignore]
+    from django_tasks.signals import (  # type: ignore[assignment, no-redef, unused-ignore]
+        task_enqueued,
+        task_finished,
+        task_started,
+    )
+
+if TYPE_CHECKING:
+    from django_pgjobs.models import Job
+
+__all__ = ["PgJobsBackend"]
+
+STATUSES = {
+    "queued": TaskResultStatus.READY,
+    "running": TaskResultStatus.RUNNING,
+    "done": TaskResultStatus.SUCCESSFUL,
+    "failed": TaskResultStatus.FAILED,
+}
+OPTIONS = ("DATABASE", "MAX_ATTEMPTS", "BACKOFF_BASE", "BACKOFF_MAX")
+
+
+class TaskRunner:
+    """What the worker calls for a task row: rebuilds the ``TaskResult`` and runs the task.
+
+    It sends ``task_started`` and ``task_finished`` (after every attempt; the status is
+    ``READY`` when a retry will follow), and passes a ``TaskContext`` to tasks that take one.
+    """
+
+    def __init__(self, task: Task[..., Any]) -> None:
+        self.task = task
+
+    def __call__(self, *, args: list[Any], kwargs: dict[str, Any], backend: str) -> Any:
+        ctx = current_job()
+        if ctx is None:
+            raise RuntimeError("A task row runs only inside the pgjobs worker.")
+        owner = task_backends[backend]
+        running = owner.get_result(str(ctx.id))
+        task = running.task
+        task_started.send(type(owner), task_result=running)
+        try:
+            if task.takes_context:
+                value = task.call(TaskContext(task_result=running), *args, **kwargs)
+            else:
+                value = task.call(*args, **kwargs)
+            validation.result(value)
+        except BaseException:
+            retry = ctx.attempts < ctx.max_attempts
+            status = TaskResultStatus.READY if retry else TaskResultStatus.FAILED
+            task_finished.send(type(owner), task_result=dataclasses.replace(running, status=status))
+            raise
+        done = dataclasses.replace(running, status=TaskResultStatus.SUCCESSFUL)
+        object.__setattr__(done, "_return_value", value)
+        task_finished.send(type(owner), task_result=done)
+        return value
+
+
+class PgJobsBackend(BaseTaskBackend):
+    """Tasks as rows of the django-pgjobs table, run by ``manage.py runjobs``."""
+
+    supports_defer = True
+    supports_async_task = True
+    supports_get_result = True
+    supports_priority = True
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        base, cap = conf.backoff()
+        self.database: str = self.options.get("DATABASE") or conf.database()
+        self.max_attempts: int = self.options.get("MAX_ATTEMPTS") or conf.max_attempts()
+        # Validated by check(); read as given so a bad value is reported, not a crash.
+        self.backoff: tuple[Any, Any] = (
+            self.options.get("BACKOFF_BASE", base),
+            self.options.get("BACKOFF_MAX", cap),
+        )
+
+    def validate_task(self, task: Task[..., Any]) -> None:
+        """The framework's checks, our queue-name rule; then register it for the worker."""
+        super().validate_task(task)
+        try:
+            validation.queue_name(task.queue_name)
+        except InvalidJobOptions as exc:
+            raise InvalidTask(str(exc)) from exc
+        registry.register(
+            JobFunction(
+                TaskRunner(task),
+                name=task.module_path,
+                queue=task.queue_name,
+                max_attempts=self.max_attempts,
+                priority=task.priority,
+                backoff=(float(self.backoff[0]), float(self.backoff[1])),
+                stores_result=True,
+            )
+        )
+
+    def enqueue(
+        self, task: Task[..., Any], args: Iterable[Any], kwargs: dict[str, Any]
+    ) -> TaskResult[Any, Any]:
+        """Insert the task's row in the caller's transaction (visible, and NOTIFYing, on commit).
+
+        Arguments must be JSON values: anything else raises ``TypeError`` naming it.
+        """
+        from django_pgjobs.models import Job
+
+        self.validate_task(task)
+        payload = {"args": list(args), "kwargs": dict(kwargs), "backend": self.alias}
+        job = Job.objects.db_manager(self.database).enqueue(
+            task.module_path,
+            payload,
+            queue=task.queue_name,
+            priority=task.priority,
+            run_at=task.run_after,
+            max_attempts=self.max_attempts,
+        )
+        result = self._result(task, job)
+        task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def get_result(self, result_id: str) -> TaskResult[Any, Any]:
+        """The task's current state, read from its row; ``TaskResultDoesNotExist`` if none."""
+        from django_pgjobs.models import Job
+
+        try:
+            job_id = int(result_id)
+        except (TypeError, ValueError):
+            raise TaskResultDoesNotExist(f"No task result {result_id!r}.") from None
+        job = Job.objects.using(self.database).filter(pk=job_id).first()
+        if job is None:
+            raise TaskResultDoesNotExist(f"No task result {result_id!r}.")
+        try:
+            runner = registry.get(job.task).func
+        except UnknownTask:
+            runner = None
+        if not isinstance(runner, TaskRunner):
+            raise TaskResultDoesNotExist(
+                f"Job {job_id} ({job.task}) is not a task this process knows: it is a @job, "
+                "or the module defining the task is not imported here."
+            )
+        task = dataclasses.replace(
+            runner.task,
+            queue_name=job.queue,
+            priority=job.priority,
+            backend=job.payload.get("backend", self.alias),
+        )
+        return self._result(task, job)
+
+    def _result(self, task: Task[..., Any], job: Job) -> TaskResult[Any, Any]:
+        result = TaskResult(
+            task=task,
+            id=str(job.id),
+            status=STATUSES[job.status],
+            enqueued_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            last_attempted_at=job.attempted_at,
+            args=job.payload["args"],
+            kwargs=job.payload["kwargs"],
+            backend=job.payload.get("backend", self.alias),
+            errors=[
+                TaskError(
+                    exception_class_path=error["exception_class_path"],
+                    traceback=error["traceback"],
+                )
+                for error in job.errors
+            ],
+            worker_ids=list(job.worker_ids),
+        )
+        if job.status == "done":
+            object.__setattr__(result, "_return_value", job.result)
+        return result
+
+    def check(self, **kwargs: Any) -> list[Any]:
+        """Name the problem in the backend's own settings (ids pgjobs.E020...)."""
+        return list(self._problems())
+
+    def _problems(self) -> Iterable[django_checks.CheckMessage]:
+        where = f"TASKS[{self.alias!r}]"
+        for key in self.options:
+            if key not in OPTIONS:
+                yield django_checks.Error(
+                    f"{where}['OPTIONS'] has an unknown key {key!r}.",
+                    hint=f"Known keys: {', '.join(OPTIONS)}.",
+                    id="pgjobs.E020",
+                )
+        if self.database not in settings.DATABASES:
+            yield django_checks.Error(
+                f"{where} uses the database alias {self.database!r}, which is not in DATABASES.",
+                hint="Set OPTIONS['DATABASE'] (or PGJOBS['DATABASE']) to a PostgreSQL alias.",
+                id="pgjobs.E021",
+            )
+        for queue in sorted(self.queues):
+            try:
+                validation.queue_name(queue)
+            except InvalidJobOptions as exc:
+                yield django_checks.Error(f"{where}['QUEUES']: {exc}", id="pgjobs.E022")
+        max_attempts = self.options.get("MAX_ATTEMPTS", self.max_attempts)
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            yield django_checks.Error(
+                f"{where}['OPTIONS']['MAX_ATTEMPTS'] is {max_attempts!r}.",
+                hint="Use a whole number of 1 or more.",
+                id="pgjobs.E023",
+            )
+        for name, value in zip(("BACKOFF_BASE", "BACKOFF_MAX"), self.backoff, strict=True):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                yield django_checks.Error(
+                    f"{where}['OPTIONS'][{name!r}] is {value!r}.",
+                    hint="Use a number of seconds of 0 or more.",
+                    id="pgjobs.E024",
+                )
+        yield from checks.backoff_errors(*self.backoff, where)
