@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WITH_DB := $(BIN)/python scripts/pgserver.py run --
 
-.PHONY: install test lint docs demo clean
+.PHONY: install test lint docs demo clean matrix
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,3 +34,10 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The Python x Django matrix (tox.ini): the whole suite on each combination whose
+# interpreter this machine has.
+# tox does not see pyenv's inactive versions on PATH: point it at every installed one.
+PYENV_PYTHONS := $(wildcard $(shell pyenv root 2>/dev/null)/versions/*/bin/python3)
+matrix: $(STAMP)
+	$(WITH_DB) $(BIN)/tox run $(if $(PYENV_PYTHONS),--discover $(PYENV_PYTHONS)) $(TOX_ARGS)
