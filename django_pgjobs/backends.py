@@ -12,16 +12,19 @@ whose ``task`` is the function's module path and whose payload holds its ``args`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core import checks as django_checks
+from django.utils import timezone
 
 from django_pgjobs import checks, conf, registry, validation
 from django_pgjobs.context import current_job
 from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
+from django_pgjobs.managers import Failure
 from django_pgjobs.registry import JobFunction
 
 try:  # Django 6.0+
@@ -87,12 +90,25 @@ class TaskRunner:
             else:
                 value = task.call(*args, **kwargs)
             validation.result(value)
-        except BaseException:
+        except BaseException as exc:
             retry = ctx.attempts < ctx.max_attempts
-            status = TaskResultStatus.READY if retry else TaskResultStatus.FAILED
-            task_finished.send(type(owner), task_result=dataclasses.replace(running, status=status))
+            # As the framework's own backends do: the result lists this attempt's error, and
+            # a finished (not retried) task has finished_at.
+            failure = Failure.from_exception(exc)
+            error = TaskError(
+                exception_class_path=failure.exception_class_path, traceback=failure.traceback
+            )
+            failed = dataclasses.replace(
+                running,
+                status=TaskResultStatus.READY if retry else TaskResultStatus.FAILED,
+                finished_at=None if retry else timezone.now(),
+                errors=[*running.errors, error],
+            )
+            task_finished.send(type(owner), task_result=failed)
             raise
-        done = dataclasses.replace(running, status=TaskResultStatus.SUCCESSFUL)
+        done = dataclasses.replace(
+            running, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now()
+        )
         object.__setattr__(done, "_return_value", value)
         task_finished.send(type(owner), task_result=done)
         return value
@@ -124,6 +140,14 @@ class PgJobsBackend(BaseTaskBackend):
             validation.queue_name(task.queue_name)
         except InvalidJobOptions as exc:
             raise InvalidTask(str(exc)) from exc
+        # Register each function once, as the decorator made it: variants from .using() must
+        # not change the defaults the registry holds for its name.
+        try:
+            known = registry.get(task.module_path).func
+        except UnknownTask:
+            known = None
+        if isinstance(known, TaskRunner) and known.task.func is task.func:
+            return
         registry.register(
             JobFunction(
                 TaskRunner(task),
@@ -151,7 +175,8 @@ class PgJobsBackend(BaseTaskBackend):
             task.module_path,
             payload,
             queue=task.queue_name,
-            priority=task.priority,
+            # The framework accepts any whole number (5.0 too); the column is an integer.
+            priority=int(task.priority),
             run_at=task.run_after,
             max_attempts=self.max_attempts,
         )
@@ -174,17 +199,16 @@ class PgJobsBackend(BaseTaskBackend):
             runner = registry.get(job.task).func
         except UnknownTask:
             runner = None
-        if not isinstance(runner, TaskRunner):
+        if not isinstance(runner, TaskRunner) or not {"args", "kwargs"} <= set(job.payload):
             raise TaskResultDoesNotExist(
                 f"Job {job_id} ({job.task}) is not a task this process knows: it is a @job, "
                 "or the module defining the task is not imported here."
             )
-        task = dataclasses.replace(
-            runner.task,
-            queue_name=job.queue,
-            priority=job.priority,
-            backend=job.payload.get("backend", self.alias),
-        )
+        # The row says where it ran; no re-validation (QUEUES may have changed since).
+        task = copy.copy(runner.task)
+        object.__setattr__(task, "queue_name", job.queue)
+        object.__setattr__(task, "priority", job.priority)
+        object.__setattr__(task, "backend", job.payload.get("backend", self.alias))
         return self._result(task, job)
 
     def _result(self, task: Task[..., Any], job: Job) -> TaskResult[Any, Any]:

@@ -102,6 +102,3 @@ def mode() -> str:
 def shutdown_timeout() -> float:
     return float(get("SHUTDOWN_TIMEOUT"))
 
-
-def imports() -> list[str]:
-    return list(get("IMPORTS"))

@@ -15,7 +15,7 @@ import socket
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.db import connections, models
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MODES = ("lease", "transaction")
 PRUNABLE = ("done", "failed")
 REAP_BATCH = 1000
 # last_error keeps the end of very long errors (tracebacks end with what matters).
@@ -49,6 +48,9 @@ class ClaimedJob:
     payload: dict[str, Any]
     attempts: int
     max_attempts: int
+    # When this claim was made (the row's attempted_at): release() fences on it too, so a
+    # release retried after a lost acknowledgement cannot undo a later claim.
+    claimed_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,10 @@ class Reaped(NamedTuple):
 
 
 def _clean_error(error: str) -> str:
-    # PostgreSQL text cannot hold NUL; keep the tail, where a traceback says what went wrong.
+    # PostgreSQL text holds neither NUL nor lone surrogates (an undecodable file name in a
+    # message); keep the tail, where a traceback says what went wrong.
     error = str(error).replace("\x00", "\\x00")
+    error = error.encode("utf-8", "backslashreplace").decode("utf-8")
     return error if len(error) <= ERROR_LIMIT else "..." + error[-ERROR_LIMIT:]
 
 
@@ -229,7 +233,7 @@ class JobManager(models.Manager["Job"]):
         validation.queue_name(queue)
         validation.positive_int("limit", limit)
         lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
-        if mode not in MODES:
+        if mode not in conf.MODES:
             raise InvalidJobOptions(f"Invalid mode {mode!r}: use 'lease' or 'transaction'.")
         connection = self.connection()
         if mode == "lease" and connection.in_atomic_block:
@@ -255,8 +259,9 @@ class JobManager(models.Manager["Job"]):
                 payload=json.loads(payload) if isinstance(payload, str) else payload,
                 attempts=attempts,
                 max_attempts=job_max_attempts,
+                claimed_at=claimed_at,
             )
-            for job_id, job_queue, task, payload, attempts, job_max_attempts in rows
+            for job_id, job_queue, task, payload, attempts, job_max_attempts, claimed_at in rows
         ]
 
     # -- fenced outcomes ---------------------------------------------------------------
@@ -340,12 +345,24 @@ class JobManager(models.Manager["Job"]):
         lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
         return self._fenced("extend_lease", sql.EXTEND_LEASE, _pairs(jobs), lease=lease_td)
 
-    def release(self, job_id: int, attempts: int) -> bool:
-        """Give back a claimed job that never started: ``queued`` again, attempt not counted."""
-        return job_id in self.release_many([(job_id, attempts)])
+    def release(
+        self, job_id: int, attempts: int, claimed_at: datetime | None = None
+    ) -> bool:
+        """Give back a claimed job that never started: ``queued`` again, attempt not counted.
 
-    def release_many(self, jobs: Iterable[tuple[int, int]]) -> set[int]:
-        return self._fenced("release", sql.RELEASE, _pairs(jobs))
+        Pass the claim's ``claimed_at`` (``ClaimedJob.claimed_at``) to fence on that claim
+        alone: giving the attempt back makes ``(id, attempts)`` repeat for the next claim.
+        """
+        return job_id in self.release_many([(job_id, attempts, claimed_at)])
+
+    def release_many(
+        self, jobs: Iterable[tuple[int, int] | tuple[int, int, datetime | None]]
+    ) -> set[int]:
+        """Release ``(id, attempts)`` pairs or ``(id, attempts, claimed_at)`` triples."""
+        ordered = sorted(jobs, key=lambda item: item[0])
+        pairs = _pairs((job[0], job[1]) for job in ordered)
+        claimed = [job[2] if len(job) > 2 else None for job in ordered]
+        return self._fenced("release", sql.RELEASE, pairs, claimed_at=claimed)
 
     def _fenced(
         self, action: str, statement: Any, pairs: dict[str, list[int]], **extra: Any
@@ -368,6 +385,12 @@ class JobManager(models.Manager["Job"]):
                     action, job_id, attempt,
                     extra={"action": action, "job_id": job_id, "attempts": attempt},
                 )
+
+    def seconds_until_due(self, queues: Sequence[str]) -> float | None:
+        """Seconds until the earliest job of ``queues`` that is not yet due becomes due."""
+        rows = sql.run(self.connection(), sql.NEXT_DUE, {"queues": list(queues)})
+        seconds = rows[0][0] if rows else None
+        return None if seconds is None else max(0.0, float(seconds))
 
     # -- maintenance -------------------------------------------------------------------
 
@@ -425,13 +448,9 @@ class JobManager(models.Manager["Job"]):
         connection = self.connection()
         statement = sql.PRUNE_ARCHIVE if archive else sql.PRUNE
         total = 0
+        params = {"statuses": statuses, "older_than": older_than, "limit": batch_size}
         while True:
-            with connection.cursor() as cursor:
-                params: dict[str, Any] = {
-                    "statuses": statuses, "older_than": older_than, "limit": batch_size,
-                }
-                cursor.execute(statement, params)
-                count = int(cursor.rowcount)
+            count = sql.count(connection, statement, params)
             total += count
             if progress is not None and count:
                 progress(total)

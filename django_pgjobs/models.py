@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import django
-from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import Q
 
@@ -60,7 +59,7 @@ class Job(models.Model):
     attempted_at = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     errors = models.JSONField(default=list)
-    worker_ids = ArrayField(models.TextField(), default=list)
+    worker_ids = models.JSONField(default=list)
 
     objects: ClassVar[JobManager] = JobManager()
 
@@ -108,7 +107,7 @@ class ArchivedJob(models.Model):
     attempted_at = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     errors = models.JSONField(default=list)
-    worker_ids = ArrayField(models.TextField(), default=list)
+    worker_ids = models.JSONField(default=list)
     archived_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

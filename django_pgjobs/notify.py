@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -104,8 +103,9 @@ class Listener(threading.Thread):
     each (re)connect: notifications sent while we were not listening are lost, so the worker
     must look at the table at once (the catch-up claim). A notification is only a hint.
 
-    The connection is probed with ``SELECT 1`` at most once per ``probe_interval`` seconds
-    of silence; a dead connection is replaced, with backoff, until ``stop()``.
+    The connection is probed with ``SELECT 1`` when the worker asks (``probe()``, on its
+    periodic tick, so the probe never adds a wake-up of its own); a dead connection is
+    replaced, with backoff, until ``stop()``.
     """
 
     def __init__(
@@ -113,21 +113,20 @@ class Listener(threading.Thread):
         alias: str,
         queues: Iterable[str],
         on_wake: Callable[[], None],
-        *,
-        probe_interval: float,
     ) -> None:
         super().__init__(name="pgjobs-listener", daemon=True)
         self.alias = alias
         self.queues = frozenset(queues)
         self.on_wake = on_wake
-        self.probe_interval = probe_interval
-        self.connected = threading.Event()
         self._stopping = threading.Event()
-        self._conn: psycopg.Connection[Any] | None = None
-        self.reconnects = 0
+        self._probe = threading.Event()
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def probe(self) -> None:
+        """Check the connection at the next chance (within a second)."""
+        self._probe.set()
 
     def run(self) -> None:
         delay = 0.0
@@ -136,7 +135,6 @@ class Listener(threading.Thread):
         while not self._stopping.is_set():
             try:
                 with psycopg.connect(**params, autocommit=True) as conn:
-                    self._conn = conn
                     conn.execute(sql.listen(channel))
                     if delay:
                         logger.warning(
@@ -144,15 +142,12 @@ class Listener(threading.Thread):
                             extra={"action": "listen"},
                         )
                     delay = 0.0
-                    self.connected.set()
                     self.on_wake()
                     self._listen(conn)
             except psycopg.Error as exc:
-                self.connected.clear()
                 if self._stopping.is_set():
                     return
                 delay = min(max(delay * 2, 0.5), 30.0)
-                self.reconnects += 1
                 reason = str(exc).strip()
                 logger.warning(
                     "LISTEN connection to %s lost (%s); reconnecting in %.1f s",
@@ -160,18 +155,14 @@ class Listener(threading.Thread):
                     extra={"action": "listen"},
                 )
                 self._stopping.wait(delay)
-            finally:
-                self._conn = None
 
     def _listen(self, conn: psycopg.Connection[Any]) -> None:
-        quiet_since = time.monotonic()
         while not self._stopping.is_set():
-            # Wake at least once a second to notice stop(); waiting sends nothing.
+            # Wake at least once a second to notice stop() and probe(); waiting sends nothing.
             for note in conn.notifies(timeout=1.0):
-                quiet_since = time.monotonic()
                 if note.payload in self.queues:
                     self.on_wake()
-            if time.monotonic() - quiet_since >= self.probe_interval:
+            if self._probe.is_set():
+                self._probe.clear()
                 conn.execute(sql.PROBE)
-                quiet_since = time.monotonic()
 

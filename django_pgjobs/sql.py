@@ -19,9 +19,6 @@ if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
     from typing_extensions import LiteralString
 
-TABLE: LiteralString = "pgjobs_job"
-ARCHIVE_TABLE: LiteralString = "pgjobs_job_archive"
-READY_INDEX: LiteralString = "pgjobs_job_ready_idx"
 
 # One INSERT for any number of jobs. run_at comes from the database clock unless given.
 ENQUEUE: LiteralString = """
@@ -55,10 +52,10 @@ SET status       = 'running',
     locked_until = now() + %(lease)s::interval,
     started_at   = coalesce(j.started_at, now()),
     attempted_at = now(),
-    worker_ids   = j.worker_ids || %(worker_id)s::text
+    worker_ids   = j.worker_ids || to_jsonb(%(worker_id)s::text)
 FROM next
 WHERE j.id = next.id
-RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts
+RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts, j.attempted_at
 """
 
 COMPLETE: LiteralString = """
@@ -102,6 +99,8 @@ RETURNING j.id
 """
 
 # Give back a job that was claimed but never started: the claim's attempt is not counted.
+# Since attempts goes back down, (id, attempts) alone would also match a later claim of the
+# same job; the claim's own attempted_at tells them apart.
 RELEASE: LiteralString = """
 UPDATE pgjobs_job j
 SET status       = 'queued',
@@ -109,9 +108,11 @@ SET status       = 'queued',
     locked_until = NULL,
     started_at   = CASE WHEN j.attempts > 1 THEN j.started_at END,
     attempted_at = NULL,
-    worker_ids   = j.worker_ids[1:cardinality(j.worker_ids) - 1]
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS mine(id, attempts)
+    worker_ids   = j.worker_ids - (jsonb_array_length(j.worker_ids) - 1)
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
+     AS mine(id, attempts, claimed_at)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
 RETURNING j.id
 """
 
@@ -191,10 +192,27 @@ def run(
         return list(cursor.fetchall()) if cursor.description else []
 
 
+def count(
+    connection: BaseDatabaseWrapper, statement: LiteralString, params: Mapping[str, Any]
+) -> int:
+    """Execute one statement that returns no rows; return how many rows it changed."""
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        return int(cursor.rowcount)
+
+
 def listen(channel: str) -> Composed:
     """``LISTEN "channel"``: a channel is an identifier, so it is quoted, not bound."""
     return SQL("LISTEN {}").format(Identifier(channel))
 
+
+# When the earliest deferred job (or retry) of these queues comes due: they send no NOTIFY
+# then, so an idle worker sleeps until this. Rows already due are someone else's (locked).
+NEXT_DUE: LiteralString = """
+SELECT extract(epoch FROM min(run_at) - now())
+FROM pgjobs_job
+WHERE queue = ANY(%(queues)s::text[]) AND status = 'queued' AND run_at > now()
+"""
 
 # The LISTEN connection's health probe: the cheapest statement that needs a live server.
 PROBE: LiteralString = "SELECT 1"

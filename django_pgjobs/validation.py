@@ -47,12 +47,24 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
-def positive_duration(name: str, value: object) -> timedelta:
+# Longer than any sensible delay or lease, and well inside PostgreSQL's interval range.
+MAX_DURATION = timedelta(days=36_500)
+
+
+def _duration(value: object) -> object:
+    """Seconds as a timedelta; NaN, infinite or absurd numbers stay as they are (refused)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = timedelta(seconds=value)
-    if not isinstance(value, timedelta) or value <= timedelta(0):
+        if math.isfinite(value) and abs(value) <= MAX_DURATION.total_seconds():
+            return timedelta(seconds=value)
+    return value
+
+
+def positive_duration(name: str, value: object) -> timedelta:
+    value = _duration(value)
+    if not isinstance(value, timedelta) or not timedelta(0) < value <= MAX_DURATION:
         raise InvalidJobOptions(
-            f"Invalid {name} {value!r}: use a positive timedelta or number of seconds."
+            f"Invalid {name} {value!r}: use a positive timedelta or number of seconds, at "
+            "most 100 years."
         )
     return value
 
@@ -62,11 +74,11 @@ def schedule(run_at: object, delay: object) -> tuple[datetime | None, timedelta 
     if run_at is not None and delay is not None:
         raise InvalidJobOptions("Pass run_at or delay, not both.")
     if delay is not None:
-        if isinstance(delay, (int, float)) and not isinstance(delay, bool):
-            delay = timedelta(seconds=delay)
-        if not isinstance(delay, timedelta) or delay < timedelta(0):
+        delay = _duration(delay)
+        if not isinstance(delay, timedelta) or not timedelta(0) <= delay <= MAX_DURATION:
             raise InvalidJobOptions(
-                f"Invalid delay {delay!r}: use a timedelta or number of seconds, not negative."
+                f"Invalid delay {delay!r}: use a timedelta or number of seconds, from 0 to "
+                "100 years."
             )
         return None, delay
     if run_at is not None:

@@ -6,7 +6,6 @@ for its ACCESS EXCLUSIVE lock behind a long transaction: it fails fast instead o
 every worker behind it; rerun it later. One table per migration (no cross-table deadlock).
 """
 
-from django.contrib.postgres.fields import ArrayField
 from django.db import migrations, models
 
 FORWARD = """
@@ -15,7 +14,7 @@ ALTER TABLE pgjobs_job
   ADD COLUMN attempted_at timestamptz,
   ADD COLUMN result       jsonb,
   ADD COLUMN errors       jsonb  NOT NULL DEFAULT '[]',
-  ADD COLUMN worker_ids   text[] NOT NULL DEFAULT '{}';
+  ADD COLUMN worker_ids   jsonb  NOT NULL DEFAULT '[]';
 """
 
 BACKWARD = """
@@ -37,9 +36,7 @@ class Migration(migrations.Migration):
                 ),
                 migrations.AddField("job", "result", models.JSONField(blank=True, null=True)),
                 migrations.AddField("job", "errors", models.JSONField(default=list)),
-                migrations.AddField(
-                    "job", "worker_ids", ArrayField(models.TextField(), default=list)
-                ),
+                migrations.AddField("job", "worker_ids", models.JSONField(default=list)),
             ],
         ),
     ]

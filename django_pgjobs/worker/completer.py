@@ -23,7 +23,7 @@ from django.db import connections
 
 from django_pgjobs.context import JobContext
 from django_pgjobs.managers import ClaimedJob, Failure, JobManager
-from django_pgjobs.worker.db import UNAVAILABLE, Backoff
+from django_pgjobs.worker.db import Backoff, unavailable
 from django_pgjobs.worker.outcomes import WorkerStats, finished
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -107,10 +107,23 @@ class Completer(threading.Thread):
                     batch, self._pending = self._pending, []
                     closing = self._closing
                 try:
-                    self._write(batch)
+                    try:
+                        self._write(batch)
+                    except Exception as exc:
+                        if unavailable(exc):
+                            raise
+                        # Not an outage: one outcome (or a bug of ours) is at fault. Write the
+                        # rest one at a time, so one bad row cannot strand the others.
+                        logger.exception(
+                            "recording %s outcomes failed; recording them one at a time",
+                            len(batch), extra={"action": "complete"},
+                        )
+                        self._write_each(batch)
                     self._heartbeat()
                     backoff.succeeded(self.manager.db_alias)
-                except UNAVAILABLE as exc:
+                except Exception as exc:
+                    if not unavailable(exc):
+                        logger.exception("completer error", extra={"action": "complete"})
                     with self._cond:
                         self._pending[:0] = batch
                     if self._give_up.is_set():
@@ -122,6 +135,22 @@ class Completer(threading.Thread):
                     return
         finally:
             connections.close_all()
+
+    def _write_each(self, batch: list[Outcome]) -> None:
+        """Write outcomes one by one; drop (and log) any that cannot be written at all."""
+        while batch:
+            outcome = batch[0]
+            try:
+                self._write([outcome])
+            except Exception as exc:
+                if unavailable(exc):
+                    raise
+                logger.exception(
+                    "could not record the outcome of job %s; its lease will expire and the "
+                    "reaper will take it back", outcome.job.id,
+                    extra={"action": outcome.action, "job_id": outcome.job.id},
+                )
+            batch.pop(0)
 
     def _beat_due(self) -> float:
         """Seconds until some running job's lease needs extending (inf when none runs)."""
@@ -142,7 +171,9 @@ class Completer(threading.Thread):
                 for o in group:
                     finished(o, statuses.get(o.job.id), stats=self.stats, worker_id=self.worker_id)
             else:
-                released = self.manager.release_many((o.job.id, o.job.attempts) for o in group)
+                released = self.manager.release_many(
+                    (o.job.id, o.job.attempts, o.job.claimed_at) for o in group
+                )
                 self.stats.add("released", len(released))
             batch[:] = [o for o in batch if o.action != action]
 

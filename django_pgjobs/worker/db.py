@@ -5,12 +5,35 @@ from __future__ import annotations
 import logging
 import threading
 
-from django.db import DatabaseError, InterfaceError, OperationalError, connections
+import psycopg
+from django.db import DatabaseError, InterfaceError, connections
 
 logger = logging.getLogger("django_pgjobs.worker")
 
-# The server went away, restarted, refused us or is read-only (a failover): retry later.
-UNAVAILABLE = (OperationalError, InterfaceError)
+# SQLSTATEs that mean "the database is away", not "this statement or job is wrong": a
+# connection exception (class 08), the server shutting down or starting (57P01-57P03),
+# out of connections or resources (class 53), a read-only standby after a failover (25006).
+UNAVAILABLE_STATES = ("08", "53", "57P01", "57P02", "57P03", "25006")
+
+
+def unavailable(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an error that caused it, means the database is unavailable.
+
+    A lost connection carries no SQLSTATE (psycopg raises a bare OperationalError);
+    statement timeouts, serialization failures and bad SQL do, and are not outages.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (InterfaceError, psycopg.InterfaceError)):
+            return True
+        if isinstance(exc, psycopg.Error):
+            state = exc.sqlstate
+            if state is None:
+                return isinstance(exc, psycopg.OperationalError)
+            return state.startswith(UNAVAILABLE_STATES)
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def reset(alias: str) -> None:
@@ -47,6 +70,12 @@ class Backoff:
                 "%s: reconnected to database %s", self.what, alias, extra={"action": "reconnect"}
             )
             self.delay = 0.0
+
+
+def reset_all() -> None:
+    """Drop every connection this thread has open (after a job met a database outage)."""
+    for connection in connections.all(initialized_only=True):
+        reset(connection.alias)
 
 
 def tidy() -> None:

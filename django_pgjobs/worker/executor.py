@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 
 from django_pgjobs import registry, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
 from django_pgjobs.managers import ClaimedJob, Failure, JobManager
 from django_pgjobs.worker.completer import COMPLETE, FAIL, RELEASE, Completer, Outcome
-from django_pgjobs.worker.db import UNAVAILABLE, reset, tidy
+from django_pgjobs.worker.db import reset, reset_all, tidy, unavailable
 from django_pgjobs.worker.outcomes import WorkerStats, finished
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -45,7 +45,9 @@ def call(job: ClaimedJob, ctx: JobContext) -> Outcome:
     """Run the registered function with the payload as keyword arguments.
 
     A task whose result is kept must return a JSON value: anything else fails the attempt
-    with ``InvalidResult`` rather than crash the worker later, when it is written.
+    with ``InvalidResult`` rather than crash the worker later, when it is written. Whatever
+    the job raises (``SystemExit`` included) is its failure, except that a job which failed
+    because the database went away is released, not failed: the outage is not its fault.
     """
     token = set_current_job(ctx)
     backoff = None
@@ -58,9 +60,17 @@ def call(job: ClaimedJob, ctx: JobContext) -> Outcome:
             validation.result(value)
         else:
             value = None
-    except Exception as exc:
+    except BaseException as exc:
+        duration = time.perf_counter() - started
         failure = Failure.from_exception(exc)
-        return Outcome(job, FAIL, time.perf_counter() - started, failure, backoff=backoff)
+        if unavailable(exc):
+            logger.warning(
+                "job %s %s attempt %s met a database outage; releasing it (attempt not "
+                "counted)", job.id, job.task, job.attempts,
+                extra={"action": "release", "job_id": job.id, "attempts": job.attempts},
+            )
+            return Outcome(job, RELEASE, duration, failure)
+        return Outcome(job, FAIL, duration, failure, backoff=backoff)
     finally:
         reset_current_job(token)
     return Outcome(job, COMPLETE, time.perf_counter() - started, result=value)
@@ -120,10 +130,15 @@ class Executor(threading.Thread):
             return
         ctx = context(job)
         self.completer.track(job, ctx)
-        tidy()
-        outcome = call(job, ctx)
-        tidy()
-        self.completer.untrack(job)
+        try:
+            tidy()
+            outcome = call(job, ctx)
+        finally:
+            self.completer.untrack(job)
+        if outcome.action == RELEASE:
+            reset_all()
+        else:
+            tidy()
         if ctx.lost:
             self.stats.add("lost")
             logger.warning(
@@ -154,8 +169,14 @@ class Executor(threading.Thread):
                     outcome = call(jobs[0], context(jobs[0]))
                     if outcome.failure:
                         transaction.set_rollback(True, using=alias)
+                if outcome.action == RELEASE:
+                    # Roll the claim back with the rest: the attempt is not counted.
+                    transaction.set_rollback(True, using=alias)
+                    return
                 status = self._finish_in_transaction(outcome)
-        except UNAVAILABLE as exc:
+        except DatabaseError as exc:
+            if not unavailable(exc):
+                raise
             ticket.unavailable = exc
             ticket.claimed.set()
             reset(alias)

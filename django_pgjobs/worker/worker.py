@@ -10,6 +10,7 @@ shorter of its poll and reap intervals: serverless Postgres may suspend in betwe
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import signal
@@ -20,14 +21,14 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from django_pgjobs import conf, validation
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.managers import ClaimedJob, JobManager, default_worker_id
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker.completer import Completer
-from django_pgjobs.worker.db import UNAVAILABLE, Backoff
+from django_pgjobs.worker.db import Backoff, unavailable
 from django_pgjobs.worker.executor import Executor, Ticket
 from django_pgjobs.worker.outcomes import WorkerStats
 
@@ -70,6 +71,8 @@ class Worker:
             "batch_size", conf.batch_size() if batch_size is None else batch_size
         )
         self.lease = validation.positive_duration("lease", conf.lease() if lease is None else lease)
+        if self.lease < timedelta(seconds=1):
+            raise InvalidJobOptions(f"Invalid lease {self.lease}: a worker needs 1 s or more.")
         self.poll_interval = _seconds(
             "poll_interval", conf.poll_interval() if poll_interval is None else poll_interval,
             minimum=0.01,
@@ -162,16 +165,13 @@ class Worker:
         ]
         listener = None
         if not self.burst:
-            listener = Listener(
-                self.listen_database, self.queues, self._on_notify,
-                probe_interval=self.poll_interval,
-            )
+            listener = Listener(self.listen_database, self.queues, self._on_notify)
             listener.start()
         completer.start()
         for executor in executors:
             executor.start()
         try:
-            self._produce()
+            self._produce(completer, listener)
         finally:
             self._shut_down(executors, completer, listener)
         logger.info(
@@ -180,22 +180,38 @@ class Worker:
         )
         return self.stats
 
-    def _produce(self) -> None:
+    def _produce(self, completer: Completer, listener: Listener | None) -> None:
+        """Claim until stopped. All periodic work happens on one tick (the shorter of the
+        poll and reap intervals): the fallback claim, the reap when due, the LISTEN probe.
+        Between ticks only a NOTIFY, a freed slot while the queue may hold more, or a
+        deferred job coming due wakes the producer, so an idle worker is silent."""
         backoff = Backoff("producer")
+        tick = min(self.poll_interval, self.reap_interval or self.poll_interval)
+        next_tick = time.monotonic()  # at once: reap a crashed predecessor's jobs, then claim
+        last_reap = -math.inf
+        next_due: float | None = None
         maybe_more = True
         notified = self._notified
-        next_poll = time.monotonic() + self.poll_interval
-        next_reap = time.monotonic()  # reap at start: a crashed predecessor's jobs come back
         while not self.stopping.is_set():
+            if not completer.is_alive():
+                raise RuntimeError("the completer thread stopped: not claiming more jobs")
             self._wake.clear()
+            now = time.monotonic()
+            timed = now >= next_tick
+            if timed:
+                next_tick = now + tick
+                maybe_more = True
+                if listener is not None:
+                    listener.probe()
+            if next_due is not None and now >= next_due:
+                maybe_more, next_due = True, None
             try:
-                if self.reap_interval and time.monotonic() >= next_reap:
+                reap = self.reap_interval and now - last_reap >= self.reap_interval - tick / 2
+                if timed and reap:
+                    last_reap = now
                     reaped = self.manager.reap()
                     self.stats.add("reaped", len(reaped))
-                    next_reap = time.monotonic() + self.reap_interval
-                    # A requeued job sends no NOTIFY: look for it now, not at the next poll.
-                    if any(row.status == "queued" for row in reaped):
-                        maybe_more = True
+                    # A requeued job sends no NOTIFY: the claim below looks for it now.
                 free = self.concurrency - self._inflight
                 if self.max_jobs is not None:
                     free = min(free, self.max_jobs - self.stats.claimed)
@@ -203,13 +219,17 @@ class Worker:
                 if (maybe_more or self.burst) and free > 0:
                     wanted = min(free, self.batch_size)
                     got = self._dispatch(wanted)
-                    backoff.succeeded(self.database)
                     maybe_more = got == wanted or self._notified != notified
                     notified = self._notified
-                    next_poll = time.monotonic() + self.poll_interval
+                    if got < wanted and not self.burst:
+                        # Deferred jobs and retries send no NOTIFY when they come due.
+                        next_due = self._next_due()
+                    backoff.succeeded(self.database)
                     if got:
                         continue
-            except UNAVAILABLE as exc:
+            except DatabaseError as exc:
+                if not unavailable(exc):
+                    raise
                 maybe_more = True
                 backoff.failed(self.database, exc, self.stopping)
                 continue
@@ -217,13 +237,16 @@ class Worker:
                 (self.burst and got == 0 and free > 0) or self.max_jobs == self.stats.claimed
             ):
                 return
-            timeout = next_poll - time.monotonic()
-            if self.reap_interval:
-                timeout = min(timeout, next_reap - time.monotonic())
-            self._wake.wait(max(0.0, timeout))
-            if self._notified != notified or time.monotonic() >= next_poll:
+            wake_at = next_tick if next_due is None else min(next_tick, next_due)
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            if self._notified != notified:
                 maybe_more = True
                 notified = self._notified
+
+    def _next_due(self) -> float | None:
+        """Monotonic time when the earliest deferred job of our queues comes due, if any."""
+        seconds = self.manager.seconds_until_due(self.queues)
+        return None if seconds is None else time.monotonic() + seconds
 
     def _job_done(self) -> None:
         with self._lock:

@@ -9,8 +9,10 @@ from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
 from django_pgjobs.models import Job
+from django_pgjobs.worker.db import Backoff, unavailable
 
 
 class Command(BaseCommand):
@@ -36,8 +38,19 @@ class Command(BaseCommand):
 
             signal.signal(signal.SIGTERM, on_signal)
             signal.signal(signal.SIGINT, on_signal)
+        backoff = Backoff("reapjobs")
         while True:
-            reaped = manager.reap()
+            try:
+                reaped = manager.reap()
+            except DatabaseError as exc:
+                # A looping reaper rides out an outage like the worker does.
+                if not (options["loop"] and unavailable(exc)):
+                    raise
+                backoff.failed(manager.db_alias, exc, stop)
+                if stop.is_set():
+                    return
+                continue
+            backoff.succeeded(manager.db_alias)
             requeued = sum(1 for row in reaped if row.status == "queued")
             self.stdout.write(
                 f"reaped {len(reaped)} jobs: {requeued} requeued, "
