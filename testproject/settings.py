@@ -22,7 +22,12 @@ ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 DATABASES: dict[str, dict[str, Any]] = {
     "default": dict(dj_database_url.parse(DATABASE_URL)),
-    "listen": {**dj_database_url.parse(DATABASE_URL), "TEST": {"MIRROR": "default"}},
+    # The alias a worker LISTENs on (runjobs --listen-database listen). LISTEN_DATABASE_URL
+    # points it elsewhere, e.g. at PostgreSQL directly when "default" goes through PgBouncer.
+    "listen": {
+        **dj_database_url.parse(os.environ.get("LISTEN_DATABASE_URL", DATABASE_URL)),
+        "TEST": {"MIRROR": "default"},
+    },
 }
 if os.environ.get("PGJOBS_TEST_DATABASE_NAME"):
     # Worker processes started by the tests must use the test database pytest created.
