@@ -64,7 +64,7 @@ def backoff_errors(base: object, cap: object, where: str) -> list[checks.CheckMe
 
 
 def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
-    raw = getattr(settings, "PGJOBS", {})
+    raw = conf.raw()
     if not isinstance(raw, dict):
         return [
             checks.Error(

@@ -44,8 +44,13 @@ DEFAULTS: dict[str, Any] = {
 MODES = ("lease", "transaction")
 
 
+def raw() -> object:
+    """``settings.PGJOBS`` as written (the checks report it if it is not a dict)."""
+    return getattr(settings, "PGJOBS", {})
+
+
 def _user_settings() -> dict[str, Any]:
-    value = getattr(settings, "PGJOBS", {})
+    value = raw()
     return value if isinstance(value, dict) else {}
 
 
