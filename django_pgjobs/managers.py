@@ -95,13 +95,24 @@ def _clean_error(error: str) -> str:
     return error if len(error) <= ERROR_LIMIT else "..." + error[-ERROR_LIMIT:]
 
 
-def _pairs(jobs: Iterable[tuple[int, int]]) -> dict[str, list[int]]:
-    ids: list[int] = []
-    attempts: list[int] = []
-    for job_id, attempt in sorted(jobs):
-        ids.append(int(job_id))
-        attempts.append(int(attempt))
-    return {"ids": ids, "attempts": attempts}
+# A claim to fence on: a ClaimedJob, or (id, attempts[, claimed_at]).
+Claim = ClaimedJob | tuple[int, int] | tuple[int, int, datetime | None]
+
+
+def _claim(job: Claim) -> tuple[int, int, datetime | None]:
+    if isinstance(job, ClaimedJob):
+        return job.id, job.attempts, job.claimed_at
+    return int(job[0]), int(job[1]), job[2] if len(job) > 2 else None
+
+
+def _claims(jobs: Iterable[Claim]) -> dict[str, list[Any]]:
+    """Parallel arrays for the fenced statements, in id order (a stable lock order)."""
+    ordered = sorted((_claim(job) for job in jobs), key=lambda claim: claim[0])
+    return {
+        "ids": [claim[0] for claim in ordered],
+        "attempts": [claim[1] for claim in ordered],
+        "claimed_at": [claim[2] for claim in ordered],
+    }
 
 
 class JobManager(models.Manager["Job"]):
@@ -275,16 +286,17 @@ class JobManager(models.Manager["Job"]):
         return job_id in self.complete_many([(job_id, attempts)], results)
 
     def complete_many(
-        self, jobs: Iterable[tuple[int, int]], results: Mapping[int, Any] | None = None
+        self, jobs: Iterable[Claim], results: Mapping[int, Any] | None = None
     ) -> set[int]:
-        """Complete ``(id, attempts)`` pairs in one statement; return the ids that changed.
+        """Complete claims in one statement; return the ids that changed.
 
-        ``results`` maps a job id to its return value; every value is validated first.
+        Each claim is a ``ClaimedJob`` or ``(id, attempts[, claimed_at])``. ``results`` maps
+        a job id to its return value; every value is validated first.
         """
-        pairs = _pairs(jobs)
+        claims = _claims(jobs)
         results = results or {}
-        texts = [validation.result(results.get(job_id)) for job_id in pairs["ids"]]
-        return self._fenced("complete", sql.COMPLETE, pairs, results=texts)
+        texts = [validation.result(results.get(job_id)) for job_id in claims["ids"]]
+        return self._fenced("complete", sql.COMPLETE, claims, results=texts)
 
     def fail(
         self,
@@ -305,24 +317,31 @@ class JobManager(models.Manager["Job"]):
 
     def fail_many(
         self,
-        jobs: Iterable[tuple[int, int, str | BaseException | Failure]],
+        jobs: Iterable[
+            tuple[int, int, str | BaseException | Failure]
+            | tuple[ClaimedJob, str | BaseException | Failure]
+        ],
         backoff: Mapping[int, tuple[float, float]] | None = None,
     ) -> dict[int, str]:
-        """Fail ``(id, attempts, error)`` triples in one statement; return id -> new status.
+        """Fail jobs in one statement; return id -> new status.
 
-        ``backoff`` maps a job id to its ``(base, cap)``; others use the settings.
+        Each item is ``(id, attempts, error)`` or ``(claimed_job, error)``. ``backoff`` maps a
+        job id to its ``(base, cap)``; others use the settings.
         """
-        ordered = sorted(jobs, key=lambda item: item[0])
-        if not ordered:
+        errors = {}
+        claims: list[Claim] = []
+        for item in jobs:
+            claim: Claim = item[0] if isinstance(item[0], ClaimedJob) else (item[0], item[1])
+            claims.append(claim)
+            errors[_claim(claim)[0]] = Failure.of(item[-1])
+        params: dict[str, Any] = _claims(claims)
+        ids, attempts = params["ids"], params["attempts"]
+        if not ids:
             return {}
-        ids = [int(j[0]) for j in ordered]
-        attempts = [int(j[1]) for j in ordered]
-        failures = [Failure.of(j[2]) for j in ordered]
+        failures = [errors[job_id] for job_id in ids]
         default = conf.backoff()
         delays = [(backoff or {}).get(job_id, default) for job_id in ids]
-        params = {
-            "ids": ids,
-            "attempts": attempts,
+        params |= {
             "errors": [_clean_error(f.traceback) for f in failures],
             "error_classes": [f.exception_class_path for f in failures],
             "bases": [float(base) for base, _cap in delays],
@@ -340,10 +359,10 @@ class JobManager(models.Manager["Job"]):
         return job_id in self.extend_lease_many([(job_id, attempts)], lease)
 
     def extend_lease_many(
-        self, jobs: Iterable[tuple[int, int]], lease: timedelta | float | None = None
+        self, jobs: Iterable[Claim], lease: timedelta | float | None = None
     ) -> set[int]:
         lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
-        return self._fenced("extend_lease", sql.EXTEND_LEASE, _pairs(jobs), lease=lease_td)
+        return self._fenced("extend_lease", sql.EXTEND_LEASE, _claims(jobs), lease=lease_td)
 
     def release(
         self, job_id: int, attempts: int, claimed_at: datetime | None = None
@@ -355,23 +374,18 @@ class JobManager(models.Manager["Job"]):
         """
         return job_id in self.release_many([(job_id, attempts, claimed_at)])
 
-    def release_many(
-        self, jobs: Iterable[tuple[int, int] | tuple[int, int, datetime | None]]
-    ) -> set[int]:
-        """Release ``(id, attempts)`` pairs or ``(id, attempts, claimed_at)`` triples."""
-        ordered = sorted(jobs, key=lambda item: item[0])
-        pairs = _pairs((job[0], job[1]) for job in ordered)
-        claimed = [job[2] if len(job) > 2 else None for job in ordered]
-        return self._fenced("release", sql.RELEASE, pairs, claimed_at=claimed)
+    def release_many(self, jobs: Iterable[Claim]) -> set[int]:
+        """Release claims (``ClaimedJob`` or ``(id, attempts[, claimed_at])``) at once."""
+        return self._fenced("release", sql.RELEASE, _claims(jobs))
 
     def _fenced(
-        self, action: str, statement: Any, pairs: dict[str, list[int]], **extra: Any
+        self, action: str, statement: Any, claims: dict[str, list[Any]], **extra: Any
     ) -> set[int]:
-        if not pairs["ids"]:
+        if not claims["ids"]:
             return set()
-        rows = sql.run(self.connection(), statement, {**pairs, **extra})
+        rows = sql.run(self.connection(), statement, {**claims, **extra})
         changed = {row[0] for row in rows}
-        self._warn_fenced(action, pairs["ids"], pairs["attempts"], changed)
+        self._warn_fenced(action, claims["ids"], claims["attempts"], changed)
         return changed
 
     @staticmethod

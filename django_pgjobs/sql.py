@@ -6,6 +6,11 @@ can only change a job it still owns. Times are always the database's ``now()``.
 
 The batch forms (``unnest`` over parallel arrays) serve one job as well as many, so the
 manager's single-job methods and the worker's batched writes share one statement.
+
+Attempts can go back down (a release gives the attempt back; an operator's retry resets
+them), so ``(id, attempts)`` alone could match a later claim of the same job. The worker
+therefore also passes each claim's ``attempted_at`` (``claimed_at``), which no other claim
+shares; a NULL there (a caller who only has id and attempts) fences on attempts alone.
 """
 
 from __future__ import annotations
@@ -61,9 +66,11 @@ RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts, j.attemp
 COMPLETE: LiteralString = """
 UPDATE pgjobs_job j
 SET status = 'done', locked_until = NULL, finished_at = now(), result = mine.result
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::jsonb[])
-     AS mine(id, attempts, result)
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
+            %(results)s::jsonb[])
+     AS mine(id, attempts, claimed_at, result)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
 RETURNING j.id
 """
 
@@ -82,10 +89,12 @@ SET status       = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'qu
     errors       = j.errors || jsonb_build_array(jsonb_build_object(
                      'exception_class_path', mine.error_class, 'traceback', mine.error)),
     finished_at  = CASE WHEN j.attempts >= j.max_attempts THEN now() END
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(errors)s::text[],
-            %(error_classes)s::text[], %(bases)s::float8[], %(caps)s::float8[])
-     AS mine(id, attempts, error, error_class, base, cap)
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
+            %(errors)s::text[], %(error_classes)s::text[], %(bases)s::float8[],
+            %(caps)s::float8[])
+     AS mine(id, attempts, claimed_at, error, error_class, base, cap)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
 RETURNING j.id, j.status, j.run_at
 """
 
@@ -93,14 +102,14 @@ RETURNING j.id, j.status, j.run_at
 EXTEND_LEASE: LiteralString = """
 UPDATE pgjobs_job j
 SET locked_until = now() + %(lease)s::interval
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS mine(id, attempts)
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
+     AS mine(id, attempts, claimed_at)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
 RETURNING j.id
 """
 
 # Give back a job that was claimed but never started: the claim's attempt is not counted.
-# Since attempts goes back down, (id, attempts) alone would also match a later claim of the
-# same job; the claim's own attempted_at tells them apart.
 RELEASE: LiteralString = """
 UPDATE pgjobs_job j
 SET status       = 'queued',
