@@ -408,6 +408,21 @@ class JobManager(models.Manager["Job"]):
 
     # -- maintenance -------------------------------------------------------------------
 
+    def retry(self, job_ids: Iterable[int]) -> list[int]:
+        """Queue failed jobs again now, with their attempts reset; one NOTIFY per queue.
+
+        Jobs that are no longer ``failed`` are left alone. Returns the ids retried.
+        """
+        rows = sql.run(self.connection(), sql.RETRY, {"ids": sorted({int(i) for i in job_ids})})
+        for queue in sorted({queue for _id, queue in rows}):
+            notify_on_commit(self.db_alias, queue)
+        for job_id, queue in rows:
+            logger.info(
+                "retry of job %s: queued again", job_id,
+                extra={"action": "retry", "job_id": job_id, "queue": queue},
+            )
+        return sorted(job_id for job_id, _queue in rows)
+
     def reap(self, batch_size: int = REAP_BATCH) -> list[Reaped]:
         """Send jobs whose lease expired back to ``queued`` (``failed`` once out of attempts).
 

@@ -77,6 +77,16 @@ class Job(models.Model):
             models.Index(
                 fields=["locked_until"], name="pgjobs_job_lease_idx", condition=Q(status="running")
             ),
+            # Throughput over a recent window, and pruning by finish time.
+            models.Index(
+                fields=["finished_at"],
+                name="pgjobs_job_finished_idx",
+                condition=Q(finished_at__isnull=False),
+            ),
+            # Failed jobs (the admin's list, the dashboard, the doctor) among millions of done.
+            models.Index(
+                fields=["finished_at"], name="pgjobs_job_failed_idx", condition=Q(status="failed")
+            ),
         )
         constraints = (
             _check(Q(status__in=Status.values), "pgjobs_job_status_check"),
@@ -85,6 +95,24 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"Job {self.id} {self.task} [{self.status}]"
+
+
+class FailedJob(Job):
+    """The failed jobs, for the admin list where a person retries or deletes them."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "failed job"
+        verbose_name_plural = "failed jobs"
+
+
+class QueueDashboard(Job):
+    """The admin's queue dashboard (a proxy, so it has a place and permissions in the admin)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "queue dashboard"
+        verbose_name_plural = "queue dashboard"
 
 
 class ArchivedJob(models.Model):

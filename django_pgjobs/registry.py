@@ -149,3 +149,7 @@ def resolve(task: str | Callable[..., Any]) -> JobFunction[..., Any]:
     name = f"{getattr(task, '__module__', '?')}.{getattr(task, '__qualname__', task)!s}"
     raise UnknownTask(f"{name} is not a job: decorate it with @django_pgjobs.job first.")
 
+
+def names() -> list[str]:
+    """Every registered task name, sorted."""
+    return sorted(_registry)

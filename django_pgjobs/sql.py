@@ -215,6 +215,71 @@ def listen(channel: str) -> Composed:
     return SQL("LISTEN {}").format(Identifier(channel))
 
 
+# An operator's retry of failed jobs: queued again at once with a fresh set of attempts.
+# Only rows still failed change (a job retried twice, or running again, is left alone); the
+# history (last_error, errors, worker_ids) is kept.
+RETRY: LiteralString = """
+UPDATE pgjobs_job
+SET status = 'queued', run_at = now(), attempts = 0, locked_until = NULL, finished_at = NULL
+WHERE id = ANY(%(ids)s::bigint[]) AND status = 'failed'
+RETURNING id, queue
+"""
+
+# -- health and dashboard reads. Each reads one partial index (ready, lease, failed) or a
+# range of the finished index, so their cost follows the live rows, not the done history.
+
+# Per queue: ready and scheduled jobs, and the age of the oldest ready one (the lag).
+QUEUE_DEPTH: LiteralString = """
+SELECT queue,
+       count(*) FILTER (WHERE run_at <= now()) AS ready,
+       count(*) FILTER (WHERE run_at > now()) AS scheduled,
+       coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now())), 0)
+         AS lag_seconds
+FROM pgjobs_job
+WHERE status = 'queued'
+GROUP BY queue
+"""
+
+RUNNING_BY_QUEUE: LiteralString = """
+SELECT queue, count(*) AS running, count(*) FILTER (WHERE locked_until < now()) AS expired
+FROM pgjobs_job
+WHERE status = 'running'
+GROUP BY queue
+"""
+
+FAILED_BY_QUEUE: LiteralString = """
+SELECT queue, count(*) AS failed
+FROM pgjobs_job
+WHERE status = 'failed'
+GROUP BY queue
+"""
+
+# Jobs finished in each of the last %(minutes)s minutes (this one included), per queue and
+# outcome; a minute with none comes back once, with a NULL queue. One short range scan of
+# the finished index per minute.
+THROUGHPUT: LiteralString = """
+WITH minutes AS (
+  SELECT generate_series(date_trunc('minute', now()) - (%(minutes)s - 1) * interval '1 minute',
+                         date_trunc('minute', now()), interval '1 minute') AS minute
+)
+SELECT m.minute, j.queue,
+       count(j.id) FILTER (WHERE j.status = 'done') AS done,
+       count(j.id) FILTER (WHERE j.status = 'failed') AS failed
+FROM minutes m
+LEFT JOIN pgjobs_job j
+  ON j.finished_at >= m.minute AND j.finished_at < m.minute + interval '1 minute'
+GROUP BY 1, 2
+ORDER BY 1, 2
+"""
+
+RECENT_FAILURES: LiteralString = """
+SELECT id, task, queue, attempts, finished_at, last_error
+FROM pgjobs_job
+WHERE status = 'failed' AND finished_at IS NOT NULL
+ORDER BY finished_at DESC
+LIMIT %(limit)s
+"""
+
 # When the earliest deferred job (or retry) of these queues comes due: they send no NOTIFY
 # then, so an idle worker sleeps until this. Rows already due are someone else's (locked).
 NEXT_DUE: LiteralString = """
@@ -222,6 +287,10 @@ SELECT extract(epoch FROM min(run_at) - now())
 FROM pgjobs_job
 WHERE queue = ANY(%(queues)s::text[]) AND status = 'queued' AND run_at > now()
 """
+
+# The planner's row estimate (refreshed by ANALYZE/autovacuum): counting millions of done
+# rows for an admin page would read the whole table.
+ESTIMATED_ROWS: LiteralString = "SELECT reltuples FROM pg_class WHERE oid = 'pgjobs_job'::regclass"
 
 # The LISTEN connection's health probe: the cheapest statement that needs a live server.
 PROBE: LiteralString = "SELECT 1"
