@@ -9,22 +9,35 @@ dashboard reads partial indexes only.
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-from django.core.exceptions import PermissionDenied
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from django_pgjobs import doctor, registry, sql
+from django_pgjobs import doctor, registry, sql, validation
+from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import FailedJob, Job, QueueDashboard, Status
+
+if TYPE_CHECKING:
+    _JobModelAdmin = admin.ModelAdmin[Job]
+    _DashboardModelAdmin = admin.ModelAdmin[QueueDashboard]
+else:
+    # Generic only for type checkers (django-stubs): subscripting it at run time works only
+    # where something has called django_stubs_ext.monkeypatch() (the django-tasks backport
+    # does; Django 6 without it does not).
+    _JobModelAdmin = _DashboardModelAdmin = admin.ModelAdmin
 
 STATUS_COLOURS = {
     Status.QUEUED: "#2563eb",
@@ -34,6 +47,8 @@ STATUS_COLOURS = {
 }
 # Fields a person may change, and only while the job is still queued.
 EDITABLE_WHILE_QUEUED = ("queue", "priority", "run_at", "max_attempts")
+# Their names in a POST (run_at is a date and a time input).
+EDITABLE_INPUTS = ("queue", "priority", "run_at_0", "run_at_1", "max_attempts")
 ERROR_PREVIEW = 80
 
 
@@ -79,8 +94,28 @@ class QueueFilter(admin.SimpleListFilter):
         return queryset.filter(queue=self.value()) if self.value() else queryset
 
 
+class JobForm(forms.ModelForm):  # type: ignore[type-arg]
+    """The editable fields hold what enqueue() would accept (priority: the CHECK constraint)."""
+
+    def clean_queue(self) -> str:
+        return _valid(validation.queue_name, self.cleaned_data["queue"])
+
+    def clean_max_attempts(self) -> int:
+        return _valid(validation.max_attempts, self.cleaned_data["max_attempts"])
+
+
+T = TypeVar("T")
+
+
+def _valid(check: Callable[[object], T], value: object) -> T:
+    try:
+        return check(value)
+    except InvalidJobOptions as exc:
+        raise ValidationError(str(exc)) from exc
+
+
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin[Job]):
+class JobAdmin(_JobModelAdmin):
     list_display: Any = (
         "id", "task", "queue", "status_badge", "attempts_of", "run_at", "created_at",
         "short_error",
@@ -88,6 +123,7 @@ class JobAdmin(admin.ModelAdmin[Job]):
     list_filter: ClassVar[Any] = ("status", QueueFilter, TaskFilter)
     search_fields = ("task", "last_error")
     search_help_text = "A job id, or words from its task or error."
+    form = JobForm
     paginator = EstimatedCountPaginator
     show_full_result_count = False
     list_per_page = 50
@@ -113,6 +149,27 @@ class JobAdmin(admin.ModelAdmin[Job]):
             return queryset.filter(pk=int(search_term)), False
         return super().get_search_results(request, queryset, search_term)
 
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        # An edit posted from a page opened while the job was queued, after a worker took
+        # it: the form built now has no editable field, so Django would save nothing and
+        # call it a success. Say what happened instead.
+        if request.method == "POST" and object_id is not None:
+            obj = self.get_object(request, unquote(object_id))
+            if (
+                obj is not None
+                and obj.status != Status.QUEUED
+                and any(name in request.POST for name in EDITABLE_INPUTS)
+                and self.has_change_permission(request, obj)
+            ):
+                return self._not_changed(request, obj)
+        return super().changeform_view(request, object_id, form_url, extra_context)
+
     def save_model(self, request: HttpRequest, obj: Job, form: Any, change: bool) -> None:
         # Only the changed editable fields, and only if the job is still queued: a plain
         # save() would write every column over what a worker just did.
@@ -123,11 +180,23 @@ class JobAdmin(admin.ModelAdmin[Job]):
             return
         updated = Job.objects.filter(pk=obj.pk, status="queued").update(**changes)
         if not updated:
-            self.message_user(
-                request,
-                f"Job {obj.pk} is no longer queued: nothing was changed.",
-                messages.WARNING,
-            )
+            request._pgjobs_not_changed = True  # type: ignore[attr-defined]
+
+    def log_change(self, request: HttpRequest, obj: Job, message: Any) -> Any:
+        if getattr(request, "_pgjobs_not_changed", False):
+            return None
+        return super().log_change(request, obj, message)
+
+    def response_change(self, request: HttpRequest, obj: Job) -> HttpResponse:
+        if getattr(request, "_pgjobs_not_changed", False):
+            return self._not_changed(request, obj)
+        return super().response_change(request, obj)
+
+    def _not_changed(self, request: HttpRequest, obj: Job) -> HttpResponse:
+        self.message_user(
+            request, f"Job {obj.pk} is no longer queued: nothing was changed.", messages.WARNING
+        )
+        return HttpResponseRedirect(request.path)
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Job) -> SafeString:
@@ -206,7 +275,7 @@ class FailedJobAdmin(JobAdmin):
 
 
 @admin.register(QueueDashboard)
-class QueueDashboardAdmin(admin.ModelAdmin[QueueDashboard]):
+class QueueDashboardAdmin(_DashboardModelAdmin):
     """Per-queue depth, lag and throughput, and the last failures: one page, no list."""
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
