@@ -1,13 +1,16 @@
-"""Health reads of the queue: per-queue depth and lag, throughput, recent failures.
+"""Health reads of the queue, for the admin dashboard and ``manage.py jobsdoctor``.
 
-Used by the admin dashboard. Every query reads a partial index (ready, lease or failed rows)
-or a one-hour range of the finished index, so it stays cheap with millions of done rows.
+``overview()`` is the live picture: per-queue depth and lag, throughput, recent failures.
+Every query reads a partial index (ready, lease or failed rows) or a one-hour range of the
+finished index, so it stays cheap with millions of done rows. ``diagnose()`` adds what
+bites later (seed 003): dead rows and autovacuum, sessions idle in transaction and old
+transactions that hold VACUUM back, invalid indexes, expired leases.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections
@@ -80,3 +83,113 @@ def overview(alias: str | None = None, *, minutes: int = 60, failures: int = 10)
         minutes=sorted(by_minute.values(), key=lambda m: m.minute),
         failures=recent,
     )
+
+
+@dataclass
+class Thresholds:
+    """When the doctor calls something a problem (seconds, or a ratio for dead rows)."""
+
+    idle: float = 5.0
+    transaction: float = 300.0
+    lag: float = 300.0
+    dead_ratio: float = 0.2
+    dead_rows: int = 10_000
+
+
+@dataclass
+class Report:
+    """Everything ``jobsdoctor`` shows; ``problems`` is empty when the queue is healthy."""
+
+    queues: list[QueueHealth]
+    expired_leases: list[dict[str, Any]]
+    failures_last_hour: int
+    recent_failures: list[dict[str, Any]]
+    table: dict[str, Any]
+    idle_in_transaction: list[dict[str, Any]]
+    oldest_transaction: dict[str, Any] | None
+    invalid_indexes: list[str]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+
+def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> Report:
+    """Read the queue's health and name each problem with what to do about it."""
+    limits = thresholds or Thresholds()
+    connection = connections[alias or conf.database()]
+    live = overview(alias, minutes=60, failures=10)
+    expired = sql.records(connection, sql.EXPIRED_LEASES, {"limit": 20})
+    failures = sql.run(connection, sql.FAILURES_SINCE, {"window": timedelta(hours=1)})[0][0]
+    (table,) = sql.records(connection, sql.TABLE_HEALTH, {})
+    idle = sql.records(
+        connection, sql.IDLE_IN_TRANSACTION, {"threshold": timedelta(seconds=limits.idle)}
+    )
+    oldest = next(iter(sql.records(connection, sql.OLDEST_TRANSACTION, {})), None)
+    invalid = [row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})]
+    report = Report(
+        queues=live.queues,
+        expired_leases=expired,
+        failures_last_hour=int(failures),
+        recent_failures=live.failures,
+        table=table,
+        idle_in_transaction=idle,
+        oldest_transaction=oldest,
+        invalid_indexes=invalid,
+    )
+    report.problems = _problems(report, limits)
+    return report
+
+
+def _problems(report: Report, limits: Thresholds) -> list[str]:
+    problems = []
+    for queue in report.queues:
+        if queue.lag_seconds > limits.lag:
+            problems.append(
+                f"queue {queue.queue}: the oldest ready job has waited {queue.lag_seconds:.0f} s "
+                f"({queue.ready} ready): workers are not keeping up or not running."
+            )
+    expired = sum(queue.expired for queue in report.queues)
+    if expired:
+        ids = ", ".join(str(row["id"]) for row in report.expired_leases[:5])
+        problems.append(
+            f"{expired} running job(s) have expired leases (e.g. {ids}): their worker died or "
+            "hangs; run `manage.py reapjobs` or check that workers reap (--reap-interval)."
+        )
+    for session in report.idle_in_transaction:
+        problems.append(
+            f"session pid {session['pid']} ({session['usename']}, "
+            f"{session['application_name'] or 'no application_name'}) has been idle in "
+            f"transaction for {session['idle_for']:.0f} s: it holds back VACUUM for every "
+            f"table in this database; last query: {one_line(session['query'])}"
+        )
+    oldest = report.oldest_transaction
+    if oldest and oldest["age"] > limits.transaction:
+        problems.append(
+            f"transaction of pid {oldest['pid']} has been open for {oldest['age']:.0f} s "
+            f"({oldest['state']}): VACUUM cannot remove rows that died since it began; "
+            f"query: {one_line(oldest['query'])}"
+        )
+    for index in report.invalid_indexes:
+        problems.append(
+            f"index {index} is INVALID (a failed CREATE INDEX CONCURRENTLY): it slows every "
+            f"write and is never used; DROP INDEX CONCURRENTLY {index}; then build it again."
+        )
+    options = report.table.get("reloptions") or []
+    if not any(option.startswith("autovacuum_vacuum_scale_factor=") for option in options):
+        problems.append(
+            "pgjobs_job has no autovacuum_vacuum_scale_factor of its own (the migration sets "
+            "0.01): ALTER TABLE pgjobs_job SET (autovacuum_vacuum_scale_factor = 0.01);"
+        )
+    live, dead = report.table.get("n_live_tup") or 0, report.table.get("n_dead_tup") or 0
+    if dead > limits.dead_rows and dead > limits.dead_ratio * max(live, 1):
+        problems.append(
+            f"pgjobs_job has {dead} dead rows for {live} live ones: vacuum is not keeping up "
+            "(an old transaction holding it back, or autovacuum too slow for this table)."
+        )
+    return problems
+
+
+def one_line(text: str | None) -> str:
+    return " ".join((text or "").split())[:120]

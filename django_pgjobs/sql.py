@@ -201,6 +201,16 @@ def run(
         return list(cursor.fetchall()) if cursor.description else []
 
 
+def records(
+    connection: BaseDatabaseWrapper, statement: LiteralString, params: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """Execute one query; return its rows as dicts keyed by column name."""
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        names = [column.name for column in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
 def count(
     connection: BaseDatabaseWrapper, statement: LiteralString, params: Mapping[str, Any]
 ) -> int:
@@ -294,3 +304,57 @@ ESTIMATED_ROWS: LiteralString = "SELECT reltuples FROM pg_class WHERE oid = 'pgj
 
 # The LISTEN connection's health probe: the cheapest statement that needs a live server.
 PROBE: LiteralString = "SELECT 1"
+
+
+# -- the doctor's reads of PostgreSQL's own statistics and catalogs.
+
+EXPIRED_LEASES: LiteralString = """
+SELECT id, task, queue, attempts, extract(epoch FROM now() - locked_until) AS expired_for
+FROM pgjobs_job
+WHERE status = 'running' AND locked_until < now()
+ORDER BY locked_until
+LIMIT %(limit)s
+"""
+
+FAILURES_SINCE: LiteralString = """
+SELECT count(*) FROM pgjobs_job
+WHERE status = 'failed' AND finished_at >= now() - %(window)s::interval
+"""
+
+TABLE_HEALTH: LiteralString = """
+SELECT s.n_live_tup, s.n_dead_tup, s.last_autovacuum, s.last_vacuum, s.autovacuum_count,
+       c.reloptions
+FROM pg_class c
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid = 'pgjobs_job'::regclass
+"""
+
+# Sessions of this database (vacuum of an ordinary table only waits for those) that sit in an
+# open transaction doing nothing, longest first.
+IDLE_IN_TRANSACTION: LiteralString = """
+SELECT pid, usename, application_name, extract(epoch FROM now() - state_change) AS idle_for,
+       extract(epoch FROM now() - xact_start) AS open_for, left(query, 200) AS query
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND state IN ('idle in transaction', 'idle in transaction (aborted)')
+  AND now() - state_change > %(threshold)s::interval
+ORDER BY state_change
+"""
+
+# The oldest transaction that holds a snapshot (backend_xmin): what VACUUM must keep rows for.
+OLDEST_TRANSACTION: LiteralString = """
+SELECT pid, usename, application_name, state, extract(epoch FROM now() - xact_start) AS age,
+       left(query, 200) AS query
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND xact_start IS NOT NULL AND backend_xmin IS NOT NULL
+ORDER BY xact_start
+LIMIT 1
+"""
+
+INVALID_INDEXES: LiteralString = """
+SELECT i.indexrelid::regclass::text
+FROM pg_index i
+WHERE i.indrelid = 'pgjobs_job'::regclass AND NOT i.indisvalid
+ORDER BY 1
+"""

@@ -1,0 +1,93 @@
+"""``manage.py jobsdoctor``: the queue's health report; exit status 1 when unhealthy."""
+
+from __future__ import annotations
+
+import json
+import sys
+from argparse import ArgumentParser
+from dataclasses import asdict
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from django_pgjobs import doctor
+
+
+class Command(BaseCommand):
+    help = "Report the queue's health; exit 1, with each problem on its own line, if unhealthy."
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
+        parser.add_argument(
+            "--idle-threshold", type=float, default=5.0, metavar="SECONDS",
+            help="Report sessions idle in transaction longer than this (default 5).",
+        )
+        parser.add_argument(
+            "--transaction-threshold", type=float, default=300.0, metavar="SECONDS",
+            help="Report the oldest open transaction when older than this (default 300).",
+        )
+        parser.add_argument(
+            "--lag-threshold", type=float, default=300.0, metavar="SECONDS",
+            help="Report a queue whose oldest ready job waited longer (default 300).",
+        )
+        parser.add_argument("--database", help="Database alias of the jobs table.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        limits = doctor.Thresholds(
+            idle=options["idle_threshold"],
+            transaction=options["transaction_threshold"],
+            lag=options["lag_threshold"],
+        )
+        if min(limits.idle, limits.transaction, limits.lag) < 0:
+            raise CommandError("Thresholds are numbers of seconds, 0 or more.")
+        report = doctor.diagnose(options["database"], limits)
+        if options["json"]:
+            self.stdout.write(json.dumps(_plain(report), indent=2, default=str))
+        else:
+            self._print(report)
+        if not report.healthy:
+            sys.exit(1)
+
+    def _print(self, report: doctor.Report) -> None:
+        write = self.stdout.write
+        write("Queues:")
+        for q in report.queues:
+            write(
+                f"  {q.queue}: {q.ready} ready (oldest waited {q.lag_seconds:.1f} s), "
+                f"{q.scheduled} scheduled, {q.running} running ({q.expired} expired leases), "
+                f"{q.failed} failed, {q.done_last_hour} done in the last hour"
+            )
+        if not report.queues:
+            write("  (no live jobs)")
+        write(f"Failures in the last hour: {report.failures_last_hour}")
+        for failure in report.recent_failures[:5]:
+            error = (failure["last_error"] or "").strip().splitlines()
+            write(f"  job {failure['id']} {failure['task']}: {error[-1] if error else ''}")
+        table = report.table
+        write(
+            f"Table pgjobs_job: {table['n_live_tup']} live rows, {table['n_dead_tup']} dead, "
+            f"last autovacuum {table['last_autovacuum'] or 'never'}, "
+            f"options {', '.join(table['reloptions'] or []) or 'none'}"
+        )
+        oldest = report.oldest_transaction
+        write(
+            "Oldest open transaction: "
+            + (
+                f"pid {oldest['pid']}, {oldest['age']:.1f} s, {oldest['state']}: "
+                f"{doctor.one_line(oldest['query'])}"
+                if oldest
+                else "none"
+            )
+        )
+        write(f"Sessions idle in transaction: {len(report.idle_in_transaction)}")
+        write(f"Invalid indexes: {', '.join(report.invalid_indexes) or 'none'}")
+        if report.healthy:
+            write("Healthy.")
+            return
+        write(f"{len(report.problems)} problem(s):")
+        for problem in report.problems:
+            write(f"PROBLEM: {problem}")
+
+
+def _plain(report: doctor.Report) -> dict[str, Any]:
+    return {**asdict(report), "healthy": report.healthy}
