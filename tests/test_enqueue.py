@@ -170,15 +170,25 @@ class NotifyOnCommitTests(TestCase):
         assert Job.objects.count() == 0
 
 
-class BadInputTests(TestCase):
+def jobs_table() -> list[tuple[Any, ...]]:
+    return query("SELECT id, status, attempts, locked_until FROM pgjobs_job ORDER BY id")
+
+
+class BadInputTests(TransactionTestCase):
+    """Each refusal runs in autocommit, outside any transaction: a row written (or a job
+    claimed) before the input was refused would be committed, and seen here."""
+
     def assert_refused(
         self, error: type[Exception], call: Callable[[], Any], match: str | None = None
     ) -> Exception:
+        assert not connection.in_atomic_block, "a rollback would hide a premature write"
         before = Job.objects.count()
-        # The savepoint keeps the test's transaction usable even if the database raised.
-        with pytest.raises(error, match=match) as info, transaction.atomic():
+        table = jobs_table()
+        with pytest.raises(error, match=match) as info:
             call()
+        assert not connection.in_atomic_block
         assert Job.objects.count() == before
+        assert jobs_table() == table
         return info.value
 
     def test_payload_values_json_cannot_hold_name_their_path(self) -> None:

@@ -8,8 +8,10 @@ read, and tags its database connections with its own ``application_name`` (libpq
 ``PGAPPNAME``) so a test can find them in ``pg_stat_activity``; the LISTEN connection names
 itself ``pgjobs-listener``.
 
-The module also defines a job the testproject lacks, one that writes through the ORM and can
-then raise; a worker started with ``test_jobs=True`` imports this module so it can run it.
+The module also defines jobs the testproject lacks (one that writes through the ORM and can
+then raise, one that reads through it, one that calls ``sys.exit``, one whose error text cannot
+be encoded, one retried after a second); a worker started with ``test_jobs=True`` imports this
+module so it can run them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,7 +30,7 @@ from typing import Any
 from django.conf import settings
 from django.db import connections
 
-from django_pgjobs import job
+from django_pgjobs import current_job, job
 from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,13 +46,53 @@ _serial = itertools.count(1)
 
 
 @job
-def write_order(email: str, fail: bool = False) -> None:
-    """Create an Order through the ORM, then raise if asked to."""
+def write_order(email: str, fail: bool = False, pause: float = 0.0) -> None:
+    """Create an Order through the ORM, take ``pause`` seconds, then raise if asked to."""
     from testproject.shop.models import Order
 
     Order.objects.create(email=email, total_cents=100)
+    time.sleep(pause)
     if fail:
         raise RuntimeError(f"failed after writing order {email}")
+
+
+@job
+def count_orders(pause: float = 0.02, **kwargs: object) -> None:
+    """Read through the ORM, then take a moment: a job that meets a database outage."""
+    from testproject.shop.models import Order
+
+    Order.objects.count()
+    time.sleep(pause)
+
+
+@job(max_attempts=1)
+def exit_with(code: int = 2) -> None:
+    """Call sys.exit(): the job's failure, not the worker's end."""
+    sys.exit(code)
+
+
+# An undecodable file name as Python shows it: a lone surrogate, which PostgreSQL text cannot
+# hold.
+UNDECODABLE = os.fsdecode(b"caf\xe9.txt")
+
+
+@job
+def undecodable_error() -> None:
+    raise RuntimeError(f"cannot open {UNDECODABLE}")
+
+
+@job(max_attempts=3)
+def fails_first(times: int = 1) -> None:
+    """Fail the first ``times`` attempts."""
+    ctx = current_job()
+    assert ctx is not None
+    if ctx.attempts <= times:
+        raise RuntimeError(f"attempt {ctx.attempts} fails on purpose")
+
+
+# @job has no backoff option: retry 0.5 * 2^attempts s (at most 1 s) later, not the 20 s of
+# the default BACKOFF_BASE.
+fails_first.backoff = (0.5, 1.0)
 
 
 class Process:
@@ -63,28 +106,30 @@ class Process:
         folder: Path,
         database_url: str | None = None,
         test_jobs: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         serial = next(_serial)
         self.name = f"{command}-{serial}"
         self.app_name = f"pgjobs-test-{os.getpid()}-{serial}"
         self.out_path = folder / f"{self.name}.out"
         self.log_path = folder / f"{self.name}.log"
-        env = {
+        environ = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "testproject.settings",
             "DATABASE_URL": database_url or settings.DATABASE_URL,
             "PGAPPNAME": self.app_name,
             "PYTHONUNBUFFERED": "1",
             "PGJOBS_LOG_LEVEL": "INFO",
+            **(env or {}),
         }
-        env.pop("PGJOBS_TEST_DATABASE_NAME", None)
+        environ.pop("PGJOBS_TEST_DATABASE_NAME", None)
         if database_url is None:
-            env["PGJOBS_TEST_DATABASE_NAME"] = connections["default"].settings_dict["NAME"]
+            environ["PGJOBS_TEST_DATABASE_NAME"] = connections["default"].settings_dict["NAME"]
         head = ["-c", WITH_TEST_JOBS] if test_jobs else ["manage.py"]
         with open(self.out_path, "wb") as out, open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, *head, command, *args],
-                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
+                cwd=REPO, env=environ, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
             )
 
     @property
@@ -148,6 +193,36 @@ class Process:
             )
         ]
 
+    def activity(self) -> dict[int, tuple[Any, ...]]:
+        """pid -> (state, state_change, query_start, wait_event_type) for each of this
+        process's connections, the LISTEN one included (one worker per test)."""
+        rows = query(
+            "SELECT pid, state, state_change, query_start, wait_event_type "
+            "FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name IN (%s, %s)",
+            [self.app_name, LISTENER_APP],
+        )
+        return {row[0]: tuple(row[1:]) for row in rows}
+
+    def wait_until_idle(self, quiet: float = 1.0, timeout: float = 20.0) -> None:
+        """Wait until its connections (its own and the LISTEN one) exist, are idle and have not
+        moved for ``quiet`` s: start-up (reap, claim, LISTEN, catch-up claim) is over."""
+        last: list[dict[int, tuple[Any, ...]]] = [{}]
+        since = [time.monotonic()]
+
+        def idle() -> bool:
+            now = self.activity()
+            if now != last[0]:
+                last[0], since[0] = now, time.monotonic()
+                return False
+            assert self.alive, self.tail()
+            return (
+                len(now) >= 2 and {state for state, *_ in now.values()} == {"idle"}
+                and time.monotonic() - since[0] >= quiet
+            )
+
+        wait_until(idle, timeout=timeout, interval=0.1, message=f"{self.name} to be idle")
+
 
 class Workers:
     """Starts worker (and reaper) processes; on exit kills every one still running."""
@@ -157,16 +232,21 @@ class Workers:
         self.started: list[Process] = []
 
     def start(
-        self, *args: str, database_url: str | None = None, test_jobs: bool = False
+        self, *args: str, database_url: str | None = None, test_jobs: bool = False,
+        env: dict[str, str] | None = None,
     ) -> Process:
-        """``manage.py runjobs *args``."""
-        return self.command("runjobs", *args, database_url=database_url, test_jobs=test_jobs)
+        """``manage.py runjobs *args``; ``env`` adds to (or overrides) its environment."""
+        return self.command(
+            "runjobs", *args, database_url=database_url, test_jobs=test_jobs, env=env
+        )
 
     def command(
-        self, command: str, *args: str, database_url: str | None = None, test_jobs: bool = False
+        self, command: str, *args: str, database_url: str | None = None,
+        test_jobs: bool = False, env: dict[str, str] | None = None,
     ) -> Process:
         process = Process(
-            command, args, folder=self.folder, database_url=database_url, test_jobs=test_jobs
+            command, args, folder=self.folder, database_url=database_url, test_jobs=test_jobs,
+            env=env,
         )
         self.started.append(process)
         return process

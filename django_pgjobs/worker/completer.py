@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,10 +53,13 @@ class _Running:
 
 class Completer(threading.Thread):
     def __init__(
-        self, manager: JobManager, lease: timedelta, stats: WorkerStats, worker_id: str
+        self, manager: JobManager, lease: timedelta, stats: WorkerStats, worker_id: str,
+        on_retry: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="pgjobs-completer", daemon=True)
         self.manager = manager
+        # Called once a failed job is queued again: its retry sends no NOTIFY.
+        self.on_retry = on_retry
         self.lease = lease
         self.beat = lease.total_seconds() / 3
         self.stats = stats
@@ -170,22 +174,22 @@ class Completer(threading.Thread):
                 statuses = self._finish(action, group)
                 for o in group:
                     finished(o, statuses.get(o.job.id), stats=self.stats, worker_id=self.worker_id)
+                if self.on_retry is not None and "queued" in statuses.values():
+                    self.on_retry()
             else:
-                released = self.manager.release_many(
-                    (o.job.id, o.job.attempts, o.job.claimed_at) for o in group
-                )
+                released = self.manager.release_many(o.job for o in group)
                 self.stats.add("released", len(released))
             batch[:] = [o for o in batch if o.action != action]
 
     def _finish(self, action: str, group: list[Outcome]) -> dict[int, str]:
         if action == COMPLETE:
             done = self.manager.complete_many(
-                ((o.job.id, o.job.attempts) for o in group),
+                (o.job for o in group),
                 {o.job.id: o.result for o in group if o.result is not None},
             )
             return dict.fromkeys(done, "done")
         return self.manager.fail_many(
-            ((o.job.id, o.job.attempts, o.failure or "") for o in group),
+            ((o.job, o.failure or "") for o in group),
             {o.job.id: o.backoff for o in group if o.backoff is not None},
         )
 
@@ -195,7 +199,7 @@ class Completer(threading.Thread):
             due = [r for r in self._running.values() if now - r.extended_at >= self.beat]
         if not due:
             return
-        kept = self.manager.extend_lease_many(((r.job.id, r.job.attempts) for r in due), self.lease)
+        kept = self.manager.extend_lease_many((r.job for r in due), self.lease)
         for running in due:
             if running.job.id in kept:
                 running.extended_at = now

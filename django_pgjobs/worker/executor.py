@@ -96,6 +96,7 @@ class Executor(threading.Thread):
         on_done: Callable[[], None],
         stats: WorkerStats,
         worker_id: str,
+        on_retry: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name=f"pgjobs-executor-{index}", daemon=True)
         self.handoff = handoff
@@ -106,6 +107,8 @@ class Executor(threading.Thread):
         self.on_done = on_done
         self.stats = stats
         self.worker_id = worker_id
+        # Called when a failed job is queued again (transaction mode): it sends no NOTIFY.
+        self.on_retry = on_retry
 
     def run(self) -> None:
         try:
@@ -184,6 +187,8 @@ class Executor(threading.Thread):
         finally:
             ticket.claimed.set()
         finished(outcome, status, stats=self.stats, worker_id=self.worker_id)
+        if status == "queued" and self.on_retry is not None:
+            self.on_retry()
 
     def _finish_in_transaction(self, outcome: Outcome) -> str | None:
         job = outcome.job

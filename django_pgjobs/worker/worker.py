@@ -142,6 +142,11 @@ class Worker:
         self._notified += 1
         self._wake.set()
 
+    def _on_retry(self) -> None:
+        # A failed job was queued again, for later: like a NOTIFY, it makes the producer claim
+        # (nothing yet), after which it learns when the retry comes due and wakes then.
+        self._on_notify()
+
     # -- the run -------------------------------------------------------------------------
 
     def run(self) -> WorkerStats:
@@ -154,12 +159,14 @@ class Worker:
             extra={"action": "start", "worker_id": self.worker_id},
         )
         started = time.monotonic()
-        completer = Completer(self.manager, self.lease, self.stats, self.worker_id)
+        completer = Completer(
+            self.manager, self.lease, self.stats, self.worker_id, on_retry=self._on_retry
+        )
         executors = [
             Executor(
                 i, self._handoff, manager=self.manager, completer=completer, lease=self.lease,
                 stopping=self.stopping, on_done=self._job_done, stats=self.stats,
-                worker_id=self.worker_id,
+                worker_id=self.worker_id, on_retry=self._on_retry,
             )
             for i in range(self.concurrency)
         ]
