@@ -306,10 +306,12 @@ ESTIMATED_ROWS: LiteralString = "SELECT reltuples FROM pg_class WHERE oid = 'pgj
 PROBE: LiteralString = "SELECT 1"
 
 
-# -- the doctor's reads of PostgreSQL's own statistics and catalogs.
+# -- the doctor's reads of PostgreSQL's own statistics and catalogs. Ages are float8 seconds:
+# extract() gives numeric, which `jobsdoctor --json` would print as a string.
 
 EXPIRED_LEASES: LiteralString = """
-SELECT id, task, queue, attempts, extract(epoch FROM now() - locked_until) AS expired_for
+SELECT id, task, queue, attempts,
+       extract(epoch FROM now() - locked_until)::float8 AS expired_for
 FROM pgjobs_job
 WHERE status = 'running' AND locked_until < now()
 ORDER BY locked_until
@@ -332,8 +334,9 @@ WHERE c.oid = 'pgjobs_job'::regclass
 # Sessions of this database (vacuum of an ordinary table only waits for those) that sit in an
 # open transaction doing nothing, longest first.
 IDLE_IN_TRANSACTION: LiteralString = """
-SELECT pid, usename, application_name, extract(epoch FROM now() - state_change) AS idle_for,
-       extract(epoch FROM now() - xact_start) AS open_for, left(query, 200) AS query
+SELECT pid, usename, application_name,
+       extract(epoch FROM now() - state_change)::float8 AS idle_for,
+       extract(epoch FROM now() - xact_start)::float8 AS open_for, left(query, 200) AS query
 FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid()
   AND state IN ('idle in transaction', 'idle in transaction (aborted)')
@@ -341,13 +344,16 @@ WHERE datname = current_database() AND pid <> pg_backend_pid()
 ORDER BY state_change
 """
 
-# The oldest transaction that holds a snapshot (backend_xmin): what VACUUM must keep rows for.
+# The oldest transaction that holds VACUUM back: one with a snapshot (backend_xmin), or one
+# that has written (backend_xid: between statements a READ COMMITTED writer has no snapshot,
+# but its own transaction id still keeps the horizon).
 OLDEST_TRANSACTION: LiteralString = """
-SELECT pid, usename, application_name, state, extract(epoch FROM now() - xact_start) AS age,
+SELECT pid, usename, application_name, state,
+       extract(epoch FROM now() - xact_start)::float8 AS age,
        left(query, 200) AS query
 FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid()
-  AND xact_start IS NOT NULL AND backend_xmin IS NOT NULL
+  AND xact_start IS NOT NULL AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
 ORDER BY xact_start
 LIMIT 1
 """
