@@ -354,6 +354,7 @@ SELECT pid, usename, application_name, state,
 FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid()
   AND xact_start IS NOT NULL AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+  AND backend_type = 'client backend'
 ORDER BY xact_start
 LIMIT 1
 """

@@ -65,7 +65,7 @@ class Command(BaseCommand):
             )
         except InvalidJobOptions as exc:
             raise CommandError(str(exc)) from exc
+        which = "done and failed" if options["status"] == "all" else options["status"]
         self.stdout.write(
-            f"{verb} {total} {options['status']} jobs finished more than "
-            f"{options['older_than']} ago"
+            f"{verb} {total} {which} jobs finished more than {options['older_than']} ago"
         )

@@ -1,0 +1,484 @@
+"""Every migration of django_pgjobs after the one that creates the table is safe on a live,
+busy jobs table (seed 003's online-DDL checklist), judged from the SQL ``sqlmigrate`` prints:
+
+- a ``lock_timeout`` is in force for every statement that locks pgjobs_job or
+  pgjobs_job_archive (ALTER TABLE, CREATE/DROP INDEX, ...): a DDL statement queued behind a
+  long transaction must fail fast, not stall every worker queued behind *it*;
+- indexes are created and dropped ``CONCURRENTLY``, which only a non-atomic migration can do;
+- constraints are added ``NOT VALID`` and validated later, in another transaction;
+- no ``ALTER COLUMN ... TYPE`` (int to bigint rewrites the whole table under ACCESS EXCLUSIVE);
+- an atomic migration changes one table (no deadlock between two tables' locks).
+
+The migrations are found on disk, so a migration added later is checked without touching this
+file; the checker is shown to fail on bad SQL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import django
+import pytest
+from django.core.management import call_command
+from django.db import connection, models
+
+import django_pgjobs.migrations
+from django_pgjobs.models import Job
+
+APP = "django_pgjobs"
+TABLES = {"pgjobs_job", "pgjobs_job_archive"}
+# The migration that creates the table: nothing waits on a table that does not exist yet.
+CREATES_THE_TABLE = "0001_initial"
+MIGRATIONS = sorted(
+    path.stem
+    for path in Path(django_pgjobs.migrations.__file__).parent.glob("[0-9][0-9][0-9][0-9]_*.py")
+)
+
+
+# -- the checker ------------------------------------------------------------------------------
+
+
+def statements(text: str) -> list[str]:
+    """Split SQL on top-level semicolons; drop comments; collapse whitespace."""
+    found: list[str] = []
+    current: list[str] = []
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if text.startswith("--", i):
+            i = text.find("\n", i)
+            i = len(text) if i < 0 else i
+            continue
+        if text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            i = len(text) if end < 0 else end + 2
+            current.append(" ")
+            continue
+        dollar = re.match(r"\$[A-Za-z_]*\$", text[i:])
+        if char == "'" or dollar is not None:
+            quote = dollar.group(0) if dollar is not None else "'"
+            end = text.find(quote, i + len(quote))
+            while quote == "'" and end >= 0 and text.startswith("''", end):
+                end = text.find("'", end + 2)
+            end = len(text) if end < 0 else end + len(quote)
+            current.append(text[i:end])
+            i = end
+            continue
+        if char == ";":
+            found.append(" ".join("".join(current).split()))
+            current = []
+        else:
+            current.append(char)
+        i += 1
+    found.append(" ".join("".join(current).split()))
+    return [statement for statement in found if statement]
+
+
+NAME = r'(?:"?\w+"?\.)?"?(\w+)"?'
+ALTER_TABLE = re.compile(rf"ALTER TABLE (?:IF EXISTS )?(?:ONLY )?{NAME}", re.I)
+CREATE_INDEX = re.compile(
+    rf"CREATE (?:UNIQUE )?INDEX (CONCURRENTLY )?(?:IF NOT EXISTS )?(?:{NAME} )?ON (?:ONLY )?{NAME}",
+    re.I,
+)
+DROP_INDEX = re.compile(r"DROP INDEX (CONCURRENTLY )?", re.I)
+REINDEX = re.compile(r"REINDEX (?:\(.*?\) )?(?:TABLE|INDEX) (CONCURRENTLY )?", re.I)
+OTHER_LOCKS = re.compile(
+    rf"(?:CREATE (?:OR REPLACE )?(?:CONSTRAINT )?TRIGGER .*? ON|LOCK (?:TABLE )?|CLUSTER|"
+    rf"VACUUM (?:\(.*?FULL.*?\)|FULL)|TRUNCATE (?:TABLE )?|DROP TABLE (?:IF EXISTS )?) *{NAME}",
+    re.I,
+)
+SET_TIMEOUT = re.compile(
+    r"SET (SESSION |LOCAL )?lock_timeout (?:=|TO) *'?([^';]*)'?$"
+    r"|SELECT set_config\('lock_timeout', *'([^']*)', *(true|false)\)",
+    re.I,
+)
+RESET_TIMEOUT = re.compile(r"RESET (?:lock_timeout|ALL)$", re.I)
+ADD_CONSTRAINT = re.compile(
+    r"ADD (?:CONSTRAINT \"?(\w+)\"? )?(CHECK|FOREIGN KEY|UNIQUE|PRIMARY KEY|EXCLUDE)\b", re.I
+)
+VALIDATE = re.compile(r"VALIDATE CONSTRAINT \"?(\w+)\"?", re.I)
+COLUMN_TYPE = re.compile(r"ALTER (?:COLUMN )?\"?\w+\"? (?:SET DATA )?TYPE\b", re.I)
+STORED = re.compile(r"ADD (?:COLUMN )?[^,]*GENERATED ALWAYS AS .* STORED", re.I)
+
+
+@dataclass
+class Findings:
+    problems: list[str] = field(default_factory=list)
+    # Constraints added NOT VALID and not validated in this migration: a later one must.
+    unvalidated: set[str] = field(default_factory=set)
+    validated: set[str] = field(default_factory=set)
+
+
+def _zero(value: str) -> bool:
+    return value.strip().upper() in ("", "DEFAULT") or bool(
+        re.fullmatch(r"0+(?:\.0*)?\s*(?:us|ms|s|min|h|d)?", value.strip())
+    )
+
+
+def _table_locked(statement: str) -> str | None:
+    """The jobs table this statement locks, or "an index" for DROP INDEX (names no table)."""
+    for pattern in (ALTER_TABLE, OTHER_LOCKS):
+        found = pattern.match(statement)
+        if found and found.group(1) in TABLES:
+            return found.group(1)
+    found = CREATE_INDEX.match(statement)
+    if found and found.group(3) in TABLES:
+        return found.group(3)
+    if DROP_INDEX.match(statement) or REINDEX.match(statement):
+        return "an index"
+    return None
+
+
+def check_sql(text: str, *, atomic: bool) -> Findings:
+    """What is unsafe in one migration's SQL on the live jobs tables (empty when safe)."""
+    result = Findings()
+    timeout = False
+    added: set[str] = set()
+    tables: set[str] = set()
+    for statement in statements(text):
+        head = statement.upper()
+        if head in ("BEGIN", "COMMIT"):
+            continue
+        setting = SET_TIMEOUT.match(statement)
+        if setting:
+            scope, value = setting.group(1) or "", setting.group(2)
+            if value is None:
+                value, scope = setting.group(3), "LOCAL" if setting.group(4) == "true" else ""
+            # SET LOCAL outside a transaction block does nothing (PostgreSQL only warns).
+            timeout = not _zero(value) and (atomic or scope.strip().upper() != "LOCAL")
+            continue
+        if RESET_TIMEOUT.match(statement):
+            timeout = False
+            continue
+        table = _table_locked(statement)
+        if table is None:
+            continue
+        if table in TABLES:
+            tables.add(table)
+        short = statement[:90]
+        if not timeout:
+            result.problems.append(
+                f"{short!r} runs with no lock_timeout: set one first (SET lock_timeout = '5s', "
+                "or SET LOCAL in an atomic migration) so it cannot queue behind a long "
+                "transaction and stall every worker"
+            )
+        index = CREATE_INDEX.match(statement) or DROP_INDEX.match(statement)
+        index = index or REINDEX.match(statement)
+        if index:
+            if not index.group(1):
+                result.problems.append(
+                    f"{short!r} without CONCURRENTLY blocks writes to the table for the whole "
+                    "build: use CONCURRENTLY"
+                )
+            elif atomic:
+                result.problems.append(
+                    f"{short!r}: CONCURRENTLY cannot run in a transaction: the migration must "
+                    "be non-atomic (atomic = False)"
+                )
+        if COLUMN_TYPE.search(statement):
+            result.problems.append(
+                f"{short!r} changes a column's type, which rewrites the table under ACCESS "
+                "EXCLUSIVE: add a new column, backfill it in batches, then switch"
+            )
+        if STORED.search(statement):
+            result.problems.append(
+                f"{short!r} adds a stored generated column, which rewrites the table"
+            )
+        for name, kind in ADD_CONSTRAINT.findall(statement):
+            kind = kind.upper()
+            label = name or "an unnamed constraint"
+            if kind in ("UNIQUE", "PRIMARY KEY"):
+                if "USING INDEX" not in head:
+                    result.problems.append(
+                        f"{short!r}: {kind} {label} builds its index under the table lock: "
+                        "CREATE UNIQUE INDEX CONCURRENTLY, then ADD CONSTRAINT ... USING INDEX"
+                    )
+            elif kind == "EXCLUDE" or "NOT VALID" not in head:
+                result.problems.append(
+                    f"{short!r}: {kind} {label} checks every row under ACCESS EXCLUSIVE: add it "
+                    "NOT VALID, then VALIDATE CONSTRAINT in a later transaction"
+                )
+            elif not name:
+                result.problems.append(
+                    f"{short!r}: name the NOT VALID constraint so it can be validated"
+                )
+            else:
+                added.add(name)
+        for name in VALIDATE.findall(statement):
+            if name in added and atomic:
+                result.problems.append(
+                    f"VALIDATE CONSTRAINT {name} in the same transaction as its ADD CONSTRAINT "
+                    "keeps the ACCESS EXCLUSIVE lock for the whole scan: validate it in a later "
+                    "migration (or make this one non-atomic)"
+                )
+            added.discard(name)
+            result.validated.add(name)
+    if atomic and len(tables) > 1:
+        result.problems.append(
+            f"one atomic migration locks {sorted(tables)}: change one table per transaction"
+        )
+    result.unvalidated = added
+    return result
+
+
+def check_migrations(migrations: list[tuple[str, str, bool]]) -> list[str]:
+    """Problems across (name, forward SQL, atomic) in order: each migration's own, and
+    constraints added NOT VALID that no later migration validates."""
+    problems: list[str] = []
+    pending: dict[str, str] = {}
+    for name, text, atomic in migrations:
+        found = check_sql(text, atomic=atomic)
+        problems.extend(f"{name}: {problem}" for problem in found.problems)
+        for constraint in found.validated:
+            pending.pop(constraint, None)
+        pending.update(dict.fromkeys(found.unvalidated, name))
+    problems.extend(
+        f"{name}: constraint {constraint} is added NOT VALID and never validated"
+        for constraint, name in pending.items()
+    )
+    return problems
+
+
+# -- the real migrations ----------------------------------------------------------------------
+
+
+def sqlmigrate(name: str, *, backwards: bool = False) -> str:
+    out = io.StringIO()
+    call_command("sqlmigrate", APP, name, backwards=backwards, stdout=out, no_color=True)
+    return out.getvalue()
+
+
+def is_atomic(name: str) -> bool:
+    module = importlib.import_module(f"{APP}.migrations.{name}")
+    return bool(module.Migration.atomic)
+
+
+def test_the_migrations_found_on_disk_are_the_apps_migrations() -> None:
+    # The list the tests below iterate over is the files; make sure it is not empty or stale.
+    assert MIGRATIONS[0] == CREATES_THE_TABLE
+    assert len(MIGRATIONS) >= 5
+    assert "CREATE TABLE pgjobs_job (" in importlib.import_module(
+        f"{APP}.migrations.{CREATES_THE_TABLE}"
+    ).CREATE
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", [m for m in MIGRATIONS if m != CREATES_THE_TABLE])
+@pytest.mark.parametrize("direction", ["forwards", "backwards"])
+def test_each_migration_after_the_first_is_safe_on_a_live_table(
+    name: str, direction: str
+) -> None:
+    text = sqlmigrate(name, backwards=direction == "backwards")
+    atomic = is_atomic(name)
+    # sqlmigrate wraps exactly the atomic migrations in BEGIN/COMMIT: the flag is real.
+    assert text.lstrip().startswith("BEGIN;") == atomic, text
+    found = check_sql(text, atomic=atomic)
+    assert found.problems == [], "\n".join([text, *found.problems])
+
+
+@pytest.mark.django_db
+def test_constraints_added_not_valid_are_validated_by_a_later_migration() -> None:
+    later = [m for m in MIGRATIONS if m != CREATES_THE_TABLE]
+    assert check_migrations([(m, sqlmigrate(m), is_atomic(m)) for m in later]) == []
+
+
+@pytest.mark.django_db
+def test_the_checker_reads_the_real_sqlmigrate_output_not_just_its_own_examples() -> None:
+    # The real migrations pass because of their lock_timeout and CONCURRENTLY: take either
+    # away from sqlmigrate's own text and the checker objects.
+    columns = sqlmigrate("0002_job_results")
+    assert "SET LOCAL lock_timeout = '5s';" in columns
+    problems = check_sql(columns.replace("SET LOCAL lock_timeout = '5s';", ""), atomic=True)
+    assert [p[:30] for p in problems.problems] == ["'ALTER TABLE pgjobs_job ADD CO"]
+
+    indexes = sqlmigrate("0004_job_finished_indexes")
+    assert indexes.count("CREATE INDEX CONCURRENTLY") == 2
+    problems = check_sql(indexes.replace("CONCURRENTLY ", ""), atomic=False)
+    assert len(problems.problems) == 4  # two DROP INDEX, two CREATE INDEX
+    assert all("without CONCURRENTLY" in p for p in problems.problems)
+    assert len(check_sql(indexes, atomic=True).problems) == 4  # CONCURRENTLY needs atomic=False
+    late = indexes.replace("SET lock_timeout = '5s';", "").replace(
+        "RESET lock_timeout;", "SET lock_timeout = '5s';"
+    )
+    assert len(check_sql(late, atomic=False).problems) == 4
+
+
+# -- the checker fails on bad SQL --------------------------------------------------------------
+
+TIMEOUT = "SET lock_timeout = '5s';\n"
+LOCAL = "SET LOCAL lock_timeout = '5s';\n"
+
+
+@pytest.mark.django_db
+def test_the_checker_catches_what_makemigrations_would_write() -> None:
+    # The operations a model change turns into (AddIndex, AddConstraint, AlterField), as
+    # Django's schema editor writes them for this table: quoted names, no lock_timeout.
+    with connection.schema_editor(collect_sql=True, atomic=False) as editor:
+        editor.add_index(Job, models.Index(fields=["task"], name="pgjobs_job_task_idx"))
+    index = "\n".join(editor.collected_sql)
+    assert 'ON "pgjobs_job"' in index
+    problems = check_sql(index, atomic=True).problems
+    assert len(problems) == 2
+    assert "no lock_timeout" in problems[0] and "without CONCURRENTLY" in problems[1]
+
+    constraint = models.CheckConstraint(
+        **{"condition" if django.VERSION >= (5, 1) else "check": models.Q(attempts__gte=0)},
+        name="pgjobs_job_attempts_check",
+    )
+    with connection.schema_editor(collect_sql=True, atomic=False) as editor:
+        editor.add_constraint(Job, constraint)
+    problems = check_sql(LOCAL + "\n".join(editor.collected_sql), atomic=True).problems
+    assert len(problems) == 1 and "NOT VALID" in problems[0], problems
+
+    old = Job._meta.get_field("attempts")
+    new = models.BigIntegerField(default=0)
+    new.set_attributes_from_name("attempts")
+    with connection.schema_editor(collect_sql=True, atomic=False) as editor:
+        editor.alter_field(Job, old, new)
+    problems = check_sql(LOCAL + "\n".join(editor.collected_sql), atomic=True).problems
+    assert problems and all("rewrites the table" in p for p in problems), problems
+
+
+
+@pytest.mark.parametrize(
+    ("text", "atomic", "complaint"),
+    [
+        pytest.param(
+            TIMEOUT + "CREATE INDEX pgjobs_job_x_idx ON pgjobs_job (task);", False,
+            "without CONCURRENTLY", id="plain-create-index",
+        ),
+        pytest.param(
+            TIMEOUT + "DROP INDEX pgjobs_job_x_idx;", False, "without CONCURRENTLY",
+            id="plain-drop-index",
+        ),
+        pytest.param(
+            LOCAL + "CREATE INDEX CONCURRENTLY x ON public.pgjobs_job (task);", True,
+            "must be non-atomic", id="concurrently-in-an-atomic-migration",
+        ),
+        pytest.param(
+            "ALTER TABLE pgjobs_job ADD COLUMN tenant text;", True, "no lock_timeout",
+            id="alter-without-lock-timeout",
+        ),
+        pytest.param(
+            "-- SET lock_timeout = '5s';\nALTER TABLE pgjobs_job ADD COLUMN tenant text;", True,
+            "no lock_timeout", id="lock-timeout-only-in-a-comment",
+        ),
+        pytest.param(
+            'ALTER TABLE "pgjobs_job_archive" DROP COLUMN result;\n' + LOCAL, True,
+            "no lock_timeout", id="lock-timeout-set-too-late",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ADD COLUMN tenant text;", False,
+            "no lock_timeout", id="set-local-outside-a-transaction-does-nothing",
+        ),
+        pytest.param(
+            TIMEOUT + "RESET lock_timeout;\nDROP INDEX CONCURRENTLY pgjobs_job_x_idx;", False,
+            "no lock_timeout", id="lock-timeout-reset-before-the-ddl",
+        ),
+        pytest.param(
+            "SET lock_timeout = 0;\nALTER TABLE pgjobs_job ADD COLUMN tenant text;", True,
+            "no lock_timeout", id="lock-timeout-zero",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_task_check "
+            "CHECK (task <> '');", True, "NOT VALID", id="check-without-not-valid",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_fk "
+            "FOREIGN KEY (queue) REFERENCES queues (name);", True, "NOT VALID",
+            id="foreign-key-without-not-valid",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT c CHECK (attempts >= 0) NOT VALID;\n"
+            "ALTER TABLE pgjobs_job VALIDATE CONSTRAINT c;", True, "same transaction",
+            id="validate-in-the-same-transaction",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT u UNIQUE (task);", True,
+            "USING INDEX", id="unique-constraint-building-its-index",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ALTER COLUMN attempts TYPE bigint;", True,
+            "rewrites the table", id="int-to-bigint",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ALTER attempts SET DATA TYPE bigint "
+            "USING attempts::bigint;", True, "rewrites the table", id="set-data-type",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ADD COLUMN n int GENERATED ALWAYS AS (attempts + 1)"
+            " STORED;", True, "rewrites the table", id="stored-generated-column",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ADD COLUMN a text;\n"
+            "ALTER TABLE pgjobs_job_archive ADD COLUMN a text;", True, "one table per",
+            id="two-tables-in-one-transaction",
+        ),
+    ],
+)
+def test_the_checker_finds_unsafe_sql(text: str, atomic: bool, complaint: str) -> None:
+    problems = check_sql(text, atomic=atomic).problems
+    assert problems, text
+    assert any(complaint in problem for problem in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("text", "atomic"),
+    [
+        pytest.param(
+            "SET lock_timeout = '3s';\n"
+            "CREATE INDEX CONCURRENTLY IF NOT EXISTS pgjobs_job_task_idx ON pgjobs_job (task);\n"
+            "DROP INDEX CONCURRENTLY IF EXISTS pgjobs_job_old_idx;\nRESET lock_timeout;",
+            False, id="concurrent-index",
+        ),
+        pytest.param(
+            "BEGIN;\nSET LOCAL lock_timeout = '3s';\n"
+            "ALTER TABLE pgjobs_job ADD COLUMN retry_count int DEFAULT 0;\nCOMMIT;", True,
+            id="add-column-with-a-constant-default",
+        ),
+        pytest.param(
+            "BEGIN;\nSELECT set_config('lock_timeout', '3s', true);\n"
+            "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_attempts_check "
+            "CHECK (attempts >= 0) NOT VALID;\nCOMMIT;", True, id="check-not-valid",
+        ),
+        pytest.param(
+            "SET lock_timeout = '3s';\n"
+            "CREATE UNIQUE INDEX CONCURRENTLY pgjobs_job_u ON pgjobs_job (id, task);\n"
+            "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_u UNIQUE USING INDEX pgjobs_job_u;",
+            False, id="unique-using-a-concurrent-index",
+        ),
+        pytest.param(
+            # Statements about other tables, and text that only looks like DDL.
+            "CREATE INDEX shop_order_idx ON shop_order (email);\n"
+            "INSERT INTO notes VALUES ('ALTER TABLE pgjobs_job; CREATE INDEX x ON pgjobs_job');",
+            True, id="other-tables-and-strings",
+        ),
+    ],
+)
+def test_the_checker_accepts_the_seeds_safe_forms(text: str, atomic: bool) -> None:
+    assert check_sql(text, atomic=atomic).problems == []
+
+
+def test_a_not_valid_constraint_must_be_validated_by_a_later_migration() -> None:
+    add = (
+        "BEGIN;\nSET LOCAL lock_timeout = '5s';\nALTER TABLE pgjobs_job ADD CONSTRAINT "
+        "pgjobs_job_attempts_check CHECK (attempts >= 0) NOT VALID;\nCOMMIT;"
+    )
+    validate = (
+        "SET lock_timeout = '5s';\n"
+        "ALTER TABLE pgjobs_job VALIDATE CONSTRAINT pgjobs_job_attempts_check;"
+    )
+    assert check_migrations([("0006_add", add, True)]) == [
+        "0006_add: constraint pgjobs_job_attempts_check is added NOT VALID and never validated"
+    ]
+    assert check_migrations([("0006_add", add, True), ("0007_validate", validate, True)]) == []
+    # In a non-atomic migration ADD and VALIDATE are separate transactions: fine together.
+    both = (
+        "SET lock_timeout = '5s';\nALTER TABLE pgjobs_job ADD CONSTRAINT "
+        "pgjobs_job_attempts_check CHECK (attempts >= 0) NOT VALID;\n" + validate
+    )
+    assert check_migrations([("0006_both", both, False)]) == []
