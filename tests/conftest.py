@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from django.conf import settings
 
 from tests.helpers import wait_until
+from tests.workers import Workers
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -28,3 +30,10 @@ def _threads_finish() -> Iterator[None]:
         timeout=10,
         message="the test's threads to finish",
     )
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    """Starts real runjobs/reapjobs processes; kills any still running when the test ends."""
+    with Workers(tmp_path) as started:
+        yield started

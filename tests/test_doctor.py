@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -29,11 +27,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 SCALE_FACTOR = "autovacuum_vacuum_scale_factor=0.01"
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 class Diagnosis:

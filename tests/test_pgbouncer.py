@@ -163,11 +163,6 @@ def bouncer() -> Iterator[PgBouncer]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
-
 
 def enqueue(workers: Workers, env: dict[str, str], first: int, count: int) -> Process:
     """Enqueue ``count`` noop jobs from a process whose database is PgBouncer, in chunks of

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
@@ -16,11 +14,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 EXPIRED = timedelta(minutes=-1)
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 def state(job_id: int) -> tuple[str, int, object]:

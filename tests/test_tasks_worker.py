@@ -4,8 +4,6 @@ retries and reaper as ``@job`` functions; their results read back with ``get_res
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,11 +25,6 @@ pytestmark = [pytest.mark.tasks, pytest.mark.django_db(transaction=True)]
 READY, RUNNING = TaskResultStatus.READY, TaskResultStatus.RUNNING
 SUCCESSFUL, FAILED = TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 def worker_id(process: Process) -> str:

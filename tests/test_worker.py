@@ -4,7 +4,6 @@ and ``current_job()``, and in-worker reaping."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,11 +16,6 @@ from tests.workers import Workers, counts, query, ran, scalar
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 def status(job_id: int) -> str:

@@ -5,32 +5,17 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
 from django_pgjobs.models import Job
 from testproject.testjobs import noop
-from tests.helpers import job_row, make_job, wait_until
-from tests.workers import Process, Workers, listener_backends, query, terminate
+from tests.helpers import make_job, wait_until
+from tests.workers import Process, Workers, listener_backends, query, run_time, terminate
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
-
-
-def run_time(job_id: int, timeout: float) -> float:
-    """Seconds until the job is done, measured from now; fails after ``timeout``."""
-    start = time.monotonic()
-    wait_until(lambda: job_row(job_id)["status"] == "done", timeout=timeout,
-               message=f"job {job_id} to be done")
-    return time.monotonic() - start
 
 
 def up(worker: Process) -> None:

@@ -9,7 +9,6 @@ import contextlib
 import re
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from django.db import connections
@@ -42,11 +41,6 @@ OUTAGE_TEXTS = [
     "%connection is closed%", "%read-only transaction%", "%ReadOnlySqlTransaction%",
 ]
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 def assert_nobody_was_blamed(total: int) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -29,11 +27,6 @@ BLAMED = (
     "OR (last_error IS NOT NULL AND last_error <> 'lease expired')"
 )
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 def assert_reconnected(worker: Process) -> None:

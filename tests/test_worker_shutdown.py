@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -19,11 +17,6 @@ from tests.workers import Workers, counts, query, write_order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 def test_jobs_claimed_after_sigterm_are_released_not_run(workers: Workers) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,11 +15,6 @@ from tests.workers import Workers, counts, query, running
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 def ids_with(status: str) -> set[int]:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -21,11 +19,6 @@ from tests.workers import Workers, query, ran, write_order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    with Workers(tmp_path) as started:
-        yield started
 
 
 def test_the_jobs_writes_commit_with_its_completion_or_roll_back_with_its_failure(

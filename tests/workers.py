@@ -31,7 +31,7 @@ from django.conf import settings
 from django.db import connections
 
 from django_pgjobs import current_job, job
-from tests.helpers import wait_until
+from tests.helpers import job_row, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 LISTENER_APP = "pgjobs-listener"
@@ -333,3 +333,13 @@ def terminate(pids: list[int]) -> int:
             [pids],
         )
     )
+
+
+def run_time(job_id: int, timeout: float) -> float:
+    """Seconds until the job is done, measured from now; fails after ``timeout``."""
+    start = time.monotonic()
+    wait_until(
+        lambda: job_row(job_id)["status"] == "done", timeout=timeout, interval=0.02,
+        message=f"job {job_id} to be done",
+    )
+    return time.monotonic() - start
