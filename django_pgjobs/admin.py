@@ -9,6 +9,7 @@ dashboard reads partial indexes only.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -22,6 +23,7 @@ from django.db import connections
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
@@ -145,7 +147,7 @@ class JobAdmin(_JobModelAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
     ) -> tuple[QuerySet[Job], bool]:
-        if search_term.strip().isdigit():
+        if re.fullmatch(r"[0-9]{1,18}", search_term.strip()):
             return queryset.filter(pk=int(search_term)), False
         return super().get_search_results(request, queryset, search_term)
 
@@ -278,7 +280,20 @@ class FailedJobAdmin(JobAdmin):
 class QueueDashboardAdmin(_DashboardModelAdmin):
     """Per-queue depth, lag and throughput, and the last failures: one page, no list."""
 
+    def get_urls(self) -> list[URLPattern]:
+        # Only the dashboard itself: the model's other pages (change, history) would show
+        # single jobs to users who may only see the dashboard.
+        return [
+            path(
+                "",
+                self.admin_site.admin_view(self.changelist_view),
+                name=f"{self.opts.app_label}_{self.opts.model_name}_changelist",
+            )
+        ]
+
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is not None:
+            return False
         return bool(request.user.is_active and request.user.is_staff) and (
             request.user.has_perm("django_pgjobs.view_job")
             or request.user.has_perm("django_pgjobs.view_queuedashboard")

@@ -155,10 +155,20 @@ class PgJobsBackend(BaseTaskBackend):
                 queue=task.queue_name,
                 max_attempts=self.max_attempts,
                 priority=task.priority,
-                backoff=(float(self.backoff[0]), float(self.backoff[1])),
+                backoff=self._usable_backoff(),
                 stores_result=True,
             )
         )
+
+    def _usable_backoff(self) -> tuple[float, float]:
+        """OPTIONS' backoff if it is valid, else the settings' (check() reports the bad one)."""
+        try:
+            base, cap = (float(value) for value in self.backoff)
+        except (TypeError, ValueError):
+            return conf.backoff()
+        if checks.backoff_errors(base, cap, "") or min(base, cap) < 0:
+            return conf.backoff()
+        return base, cap
 
     def enqueue(
         self, task: Task[..., Any], args: Iterable[Any], kwargs: dict[str, Any]

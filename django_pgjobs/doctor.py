@@ -78,6 +78,10 @@ def overview(alias: str | None = None, *, minutes: int = 60, failures: int = 10)
         dict(zip(columns, row, strict=True))
         for row in sql.run(connection, sql.RECENT_FAILURES, {"limit": failures})
     ]
+    for failure in recent:
+        # A traceback says what went wrong on its last line.
+        lines = (failure["last_error"] or "").strip().splitlines()
+        failure["error_line"] = lines[-1] if lines else ""
     return Overview(
         queues=sorted(queues.values(), key=lambda q: q.queue),
         minutes=sorted(by_minute.values(), key=lambda m: m.minute),

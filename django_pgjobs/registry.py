@@ -7,6 +7,7 @@ with a clear error; its path is never imported (a row is data, and data must not
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
@@ -96,32 +97,50 @@ def job(
         validation.max_attempts(max_attempts)
     validation.priority(priority)
 
-    def register(fn: Callable[P, R]) -> JobFunction[P, R]:
+    def add(fn: Callable[P, R]) -> JobFunction[P, R]:
         task_name = name or f"{fn.__module__}.{fn.__qualname__}"
         if "<locals>" in task_name:
             raise ValueError(
                 f"Cannot register {task_name}: a job must be a module-level function, "
                 "or be given a name= that the worker can find."
             )
-        existing = _registry.get(task_name)
-        if existing is not None and existing.func is not fn and (
-            existing.func.__module__,
-            existing.func.__qualname__,
-        ) != (fn.__module__, fn.__qualname__):
-            raise ValueError(f"Two job functions are registered as {task_name!r}; rename one.")
+        if inspect.iscoroutinefunction(fn):
+            raise ValueError(
+                f"Cannot register {task_name}: the worker calls jobs synchronously, so an "
+                "async def job would never run. Use a django.tasks @task (async supported) or "
+                "wrap it with asgiref.sync.async_to_sync."
+            )
         wrapper = JobFunction(
             fn, name=task_name, queue=queue, max_attempts=max_attempts, priority=priority
         )
-        _registry[task_name] = wrapper
+        register(wrapper)
         return wrapper
 
     if func is not None:
-        return register(func)
-    return register
+        return add(func)
+    return add
+
+
+def _origin(func: Callable[..., Any]) -> tuple[str, str]:
+    """What a registration runs: its module and qualname (a task runner: its task's)."""
+    inner = getattr(func, "task", None)
+    target = getattr(inner, "func", func)
+    return getattr(target, "__module__", ""), getattr(target, "__qualname__", repr(target))
 
 
 def register(wrapper: JobFunction[..., Any]) -> None:
-    """Add (or replace) a registration under its name: the django.tasks backend uses it."""
+    """Add a registration under its name; re-registering the same function replaces it.
+
+    Two different functions (a @job and a @task included) under one name are refused: the
+    rows already in the table could not say which one they meant.
+    """
+    existing = _registry.get(wrapper.name)
+    if existing is not None and _origin(existing.func) != _origin(wrapper.func):
+        raise ValueError(
+            f"Two job functions are registered as {wrapper.name!r} "
+            f"({'.'.join(_origin(existing.func))} and {'.'.join(_origin(wrapper.func))}); "
+            "give one of them another name."
+        )
     _registry[wrapper.name] = wrapper
 
 

@@ -600,6 +600,16 @@ class PermissionTests(TestCase):
         # Linked from the app's admin index.
         assert f'href="{DASHBOARD}"' in viewer.get(APP_INDEX).content.decode()
 
+    def test_the_dashboard_permission_opens_the_dashboard_and_nothing_else(self) -> None:
+        secret = make_job(payload={"token": "s3cr3t-token"})
+        client = client_for(make_user("watcher", "view_queuedashboard"))
+        assert client.get(DASHBOARD).status_code == 200
+        for page in (f"{DASHBOARD}{secret}/change/", f"{DASHBOARD}{secret}/history/",
+                     job_url(secret)):
+            response = client.get(page, follow=True)
+            assert "s3cr3t-token" not in response.content.decode(), page
+            assert response.status_code in (403, 404), page
+
     def test_failure_links_on_the_dashboard_open_for_whoever_may_see_it(self) -> None:
         make_job(
             status="failed", attempts=5, finished_at=timedelta(minutes=-1), last_error="err"

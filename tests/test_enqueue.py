@@ -17,7 +17,7 @@ from django.db.transaction import TransactionManagementError
 from django.test import Client, TestCase, TransactionTestCase, override_settings
 from django.utils import timezone
 
-from django_pgjobs import job
+from django_pgjobs import job, registry
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
 from django_pgjobs.models import Job
 from testproject.shop.jobs import send_confirmation
@@ -451,3 +451,28 @@ class OrderViewCommitTests(TransactionTestCase):
                 )
             assert listener.quiet() == []
         assert (Order.objects.count(), Job.objects.count()) == (0, 0)
+
+
+def test_an_async_job_is_refused_when_decorated() -> None:
+    async def fetch(url: str) -> None:
+        """Would never run: the worker calls jobs synchronously."""
+
+    with pytest.raises(ValueError, match="async def job would never run"):
+        job(name="tests.async_fetch")(fetch)
+    with pytest.raises(UnknownTask):
+        registry.get("tests.async_fetch")
+
+
+def test_two_functions_under_one_name_are_refused_a_task_included() -> None:
+    def first() -> None:
+        """The first registration."""
+
+    def second() -> None:
+        """A different function claiming the same name."""
+
+    job(name="tests.collide")(first)
+    with pytest.raises(ValueError, match=r"Two job functions are registered as 'tests\.collide'"):
+        job(name="tests.collide")(second)
+    assert registry.get("tests.collide").func is first
+    # Registering the same function again (a module imported twice) is fine.
+    job(name="tests.collide")(first)
