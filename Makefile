@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WITH_DB := $(BIN)/python scripts/pgserver.py run --
 
-.PHONY: install test lint docs demo clean matrix
+.PHONY: install test lint docs demo clean matrix bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ docs: $(STAMP)
 
 demo: $(STAMP)
 	$(WITH_DB) $(BIN)/python scripts/demo.py
+
+# The benchmark suite (benchmarks/README.md): its own throwaway PostgreSQL with fsync on
+# (BENCH_DATABASE_URL points it elsewhere); BENCH_ARGS=--quick for a smoke run.
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

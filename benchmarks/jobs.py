@@ -1,0 +1,20 @@
+"""Jobs only the benchmark runs (imported by the worker through ``benchmarks.settings``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from django_pgjobs import job
+
+
+@job
+def stamp(seq: int, out: str) -> None:
+    """W3: note when this job's function started, first thing, as ``seq time.time()``."""
+    started = time.time()
+    line = f"{seq} {started!r}\n".encode()
+    fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)

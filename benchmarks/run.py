@@ -1,0 +1,273 @@
+"""Run the benchmark suite of issue 7 and print its tables; ``make bench`` calls this.
+
+    python -m benchmarks.run              # the defaults: 5 interleaved runs, about 10 minutes
+    python -m benchmarks.run --quick      # small sizes, 2 runs: a smoke run
+    python -m benchmarks.run --help
+
+By default it starts its own throwaway PostgreSQL with fsync on; ``BENCH_DATABASE_URL`` points
+it at another server instead (it drops and creates the databases ``pgjobs_bench`` and
+``pgjobs_bench_history`` there). Raw figures go to ``benchmarks/results/<timestamp>.json``,
+worker output to ``benchmarks/results/<timestamp>-workers.log``. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import db, report  # noqa: E402
+from benchmarks.sizes import Sizes  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SECTIONS = ("w1", "w2", "w3", "scale", "ceiling", "rss")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and 2 runs: a smoke run of every workload")
+    parser.add_argument("--runs", type=int, help="interleaved runs of every workload (default 5)")
+    parser.add_argument("--jobs", type=int, help="jobs per W1 and W2 run (default 10,000)")
+    parser.add_argument("--history-rows", type=int,
+                        help="done rows of the scale section (default 1,000,000)")
+    parser.add_argument("--rss-jobs", type=int,
+                        help="jobs of the long RSS run (default 1,000,000; --quick 20,000)")
+    parser.add_argument("--ceiling-jobs", type=int,
+                        help="pre-enqueued jobs of the pgbench ceiling run (default 100,000)")
+    parser.add_argument("--skip", default="",
+                        help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}")
+    parser.add_argument("--worker-log-level", default="WARNING",
+                        help="PGJOBS_LOG_LEVEL of the workers (default WARNING: INFO logs "
+                             "one line per job, which the benchmark would then measure)")
+    parser.add_argument("--json", type=Path, help="where to write the raw figures")
+    args = parser.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(skip - set(SECTIONS))}; use {SECTIONS}")
+    args.skip = skip
+    return args
+
+
+def sizes_from(args: argparse.Namespace) -> Sizes:
+    sizes = Sizes.quick() if args.quick else Sizes()
+    for name in ("runs", "jobs", "history_rows", "rss_jobs", "ceiling_jobs"):
+        value = getattr(args, name)
+        if value is not None:
+            if value < 1:
+                raise SystemExit(f"--{name.replace('_', '-')} must be 1 or more")
+            setattr(sizes, name, value)
+    return sizes
+
+
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                check=False)
+        return result.stdout.strip()
+
+    diff = git("diff", "HEAD", "--", "django_pgjobs")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "django_pgjobs_dirty": git("status", "--porcelain", "--", "django_pgjobs").splitlines(),
+        "django_pgjobs_diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
+    }
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        model = "?"
+    return {"cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def setup_django(bench_url: str, history_url: str) -> None:
+    os.environ.update({
+        "DATABASE_URL": bench_url,
+        "BENCH_HISTORY_DATABASE_URL": history_url,
+        "DJANGO_SETTINGS_MODULE": "benchmarks.settings",
+        "PGJOBS_LOG_LEVEL": "WARNING",
+    })
+    for name in ("LISTEN_DATABASE_URL", "PGJOBS_TEST_DATABASE_NAME"):
+        os.environ.pop(name, None)
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", verbosity=0, interactive=False)
+    call_command("migrate", database="history", verbosity=0, interactive=False)
+
+
+def headline(key: str, result: dict[str, Any]) -> str:
+    """One short line per finished run of a workload, printed as the suite goes."""
+    if key.startswith("w1") or key == "ceiling":
+        return f"{result['jobs_per_s']:,.0f} jobs/s"
+    if key.startswith("w2"):
+        return f"{result['jobs_per_s']:,.0f} jobs/s"
+    if key == "startup":
+        return f"{result['wall_s']:.2f} s wall, {result['worker_cpu_s']:.2f} s CPU"
+    if key == "w3":
+        return (f"p50 {result['p50_ms']:.2f} ms, p95 {result['p95_ms']:.2f}, "
+                f"p99 {result['p99_ms']:.2f}")
+    if key.startswith("claim"):
+        return f"claim {result['claim_ms']:.3f} ms, + complete {result['claim_complete_ms']:.3f}"
+    if key == "naive":
+        return (f"{result['done']:,} of {result['jobs']:,} done, "
+                f"max attempts {result['max_attempts']}")
+    return ""
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    sizes = sizes_from(args)
+    began = time.monotonic()
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path = args.json or RESULTS / f"{stamp}.json"
+    log_path = RESULTS / f"{stamp}-workers.log"
+    out: dict[str, Any] = {
+        "started": stamp, "sizes": vars(sizes), "skipped": sorted(args.skip),
+        "worker_log_level": args.worker_log_level, "machine": machine(), "git": git_state(),
+        "runs": {}, "rss": None,
+    }
+    peers = os.environ.get("BENCH_PEERS") == "1"
+    out["peers"] = "requested but not implemented" if peers else "not requested"
+
+    print(f"django-pgjobs benchmark ({'quick' if args.quick else 'default'} sizes): "
+          f"{sizes.runs} interleaved runs, {sizes.jobs:,} jobs per W1/W2 run")
+    print(f"machine: {out['machine']['cpus']} CPUs, {out['machine']['cpu_model']}, "
+          f"Python {out['machine']['python']}")
+    git = out["git"]
+    print(f"code: {git['commit'][:12]}"
+          + (f" + uncommitted changes in django_pgjobs ({len(git['django_pgjobs_dirty'])} files)"
+             if git["django_pgjobs_dirty"] else ""))
+    if peers:
+        print("BENCH_PEERS=1: peer runs (pgqueuer, procrastinate, django-tasks-db) are NOT "
+              "implemented yet; only django-pgjobs is measured.")
+
+    bench = None
+    code = 0
+    with db.Server(os.environ.get("BENCH_DATABASE_URL")) as server, \
+            open(log_path, "w") as log:
+        try:
+            print(f"server: {server.describe()}")
+            bench_url = db.recreate(server.url, db.BENCH_DB)
+            history_url = db.recreate(server.url, db.HISTORY_DB)
+            setup_django(bench_url, history_url)
+            from benchmarks.workloads import Bench
+
+            bench = Bench(sizes=sizes, bench_url=bench_url, history_url=history_url,
+                          pgbench=db.find_pgbench(server.bindir), log=log,
+                          worker_log_level=args.worker_log_level)
+            out["server"] = bench.admin.settings()
+            out["server"]["pg_cpu_measured"] = bench.cpu is not None
+            print("server settings: " + ", ".join(f"{k}={v}" for k, v in out["server"].items()))
+            if bench.cpu is None:
+                print("PostgreSQL's processes are not on this machine: no PostgreSQL CPU figures")
+            code = run_suite(bench, sizes, args, out)
+        except db.BenchAbort as exc:
+            print(f"\nABORTED: {exc}", file=sys.stderr)
+            out["aborted"] = str(exc)
+            code = 1
+        except BaseException as exc:
+            out["aborted"] = "".join(traceback.format_exception(exc))
+            raise
+        finally:
+            if bench is not None:
+                bench.close()
+            out["elapsed_s"] = time.monotonic() - began
+            json_path.write_text(json.dumps(out, indent=1, default=str))
+    shown = json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path
+    print(f"\nraw figures: {shown}")
+    print(f"worker output: {log_path.relative_to(ROOT)}")
+    print(f"elapsed: {out['elapsed_s'] / 60:.1f} min")
+    return code
+
+
+def run_suite(bench: Any, sizes: Sizes, args: argparse.Namespace, out: dict[str, Any]) -> int:
+    skip = args.skip
+    if "scale" not in skip:
+        print(f"\nbuilding the history: {sizes.history_rows:,} done rows ...", flush=True)
+        built = bench.build_history()
+        out["history"] = built
+        print(f"  {built['seconds']:.1f} s, table and indexes "
+              f"{built['table_bytes'] / 1024 / 1024:,.0f} MiB")
+    plan: list[tuple[str, str, Callable[[], dict[str, Any]]]] = [
+        ("w1", "w1_1x8", lambda: bench.execute(processes=1, concurrency=sizes.concurrency)),
+        ("w1", "w1_2x4", lambda: bench.execute(processes=2, concurrency=sizes.concurrency // 2)),
+        ("w1", "startup", bench.startup),
+        ("w2", "w2_single", bench.enqueue_single),
+        ("w2", "w2_bare", bench.insert_bare),
+        ("w2", "w2_bulk", bench.enqueue_bulk),
+        ("w3", "w3", bench.wakeup),
+        ("scale", "claim_empty", lambda: bench.claim_latency(history=False)),
+        ("scale", "claim_history", lambda: bench.claim_latency(history=True)),
+        ("scale", "w1_1x8_history",
+         lambda: bench.execute(processes=1, concurrency=sizes.concurrency, history=True)),
+        ("ceiling", "ceiling", bench.ceiling),
+        ("ceiling", "naive", bench.naive),
+    ]
+    if bench.pgbench is None and "ceiling" not in skip:
+        print("pgbench not found: the SQL ceiling is not measured")
+        skip = skip | {"ceiling"}
+    plan = [step for step in plan if step[0] not in skip]
+    if "ceiling" not in skip:
+        from benchmarks.workloads import ceiling_script
+
+        out["ceiling_script"] = ceiling_script()
+    runs: dict[str, list[dict[str, Any]]] = out["runs"]
+    for number in range(1, sizes.runs + 1):
+        print(f"\nrun {number}/{sizes.runs}", flush=True)
+        for _section, key, step in plan:
+            started = time.monotonic()
+            result = step()
+            runs.setdefault(key, []).append(result)
+            print(f"  {key:<15} {headline(key, result):<55} "
+                  f"({time.monotonic() - started:.1f} s)", flush=True)
+    if "rss" not in skip:
+        print(f"\nlong run: {sizes.rss_jobs:,} jobs, worker RSS every second ...", flush=True)
+        out["rss"] = bench.rss()
+        print(f"  {out['rss']['jobs_per_s']:,.0f} jobs/s", flush=True)
+
+    rows = report.build_rows(runs, out["rss"], sizes.history_rows)
+    targets = report.build_targets(rows, out["rss"], sizes.history_rows)
+    out["summary"] = [row.as_json() for row in rows]
+    out["targets"] = [vars(t) | {"verdict": t.verdict} for t in targets]
+    out["ratios"] = dict(report.info_ratios(rows))
+    print(f"\n== results: median and min-max of {sizes.runs} interleaved runs "
+          f"(RSS: one long run) ==\n")
+    print(report.rows_table(rows))
+    print("\n== targets of issue 7 (ratios of medians from this invocation) ==\n")
+    print(report.targets_table(targets))
+    if out["ratios"]:
+        print("\nother ratios: " + "; ".join(f"{k} {v}" for k, v in out["ratios"].items()))
+    if args.worker_log_level != "WARNING":
+        print(f"\nworkers logged at {args.worker_log_level}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,30 @@
+"""How big each workload is: the defaults (about 10 minutes here) and ``--quick``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Sizes:
+    runs: int = 5
+    jobs: int = 10_000  # W1 and W2
+    concurrency: int = 8
+    latency_jobs: int = 200
+    latency_gap: float = 0.050
+    latency_warmup: int = 5
+    claims: int = 200
+    claim_batch: int = 10
+    history_rows: int = 1_000_000
+    rss_jobs: int = 1_000_000  # the long RSS run
+    ceiling_jobs: int = 100_000
+    naive_jobs: int = 10_000
+    clients: int = 8
+    pgbench_threads: int = 2
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            runs=2, jobs=2_000, latency_jobs=50, claims=50, history_rows=100_000,
+            rss_jobs=20_000, ceiling_jobs=20_000, naive_jobs=2_000,
+        )
