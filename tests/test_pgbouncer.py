@@ -211,14 +211,14 @@ def test_5000_jobs_through_pgbouncer_run_once_and_notify_still_wakes_a_listener(
         for _ in range(2)
     ]
     names = {w.app_name for w in running}
-    most_clients = 0
-    server_pids: set[int] = set()
+    most_clients = most_servers = 0
 
     def finished() -> bool:
-        nonlocal most_clients
+        nonlocal most_clients, most_servers
         mine = [c for c in bouncer.clients() if c["application_name"] in names]
         most_clients = max(most_clients, len(mine))
-        server_pids.update(s["remote_pid"] for s in bouncer.servers())
+        # Sessions open at once (PgBouncer may replace one over the run, so not distinct pids).
+        most_servers = max(most_servers, len(bouncer.servers()))
         return not any(w.alive for w in running)
 
     wait_until(finished, timeout=180, interval=0.05, message="both workers to finish")
@@ -233,7 +233,7 @@ def test_5000_jobs_through_pgbouncer_run_once_and_notify_still_wakes_a_listener(
     ) == [("done", 1, 1, JOBS)]
     # Many worker connections, few server sessions: transaction pooling really happened.
     assert most_clients > POOL_SIZE, (most_clients, bouncer.output())
-    assert 0 < len(server_pids) <= POOL_SIZE
+    assert 0 < most_servers <= POOL_SIZE
     for worker in running:
         log = worker.log()
         assert "prepared statement" not in log and "Traceback" not in log, worker.tail()
