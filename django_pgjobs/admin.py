@@ -87,7 +87,7 @@ class QueueFilter(admin.SimpleListFilter):
     parameter_name = "queue"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = {q.queue for q in doctor.overview(failures=0, minutes=1).queues}
+        names = set(doctor.live_queues())
         if self.value():
             names.add(str(self.value()))
         return [(name, name) for name in sorted(names)]

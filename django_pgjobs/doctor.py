@@ -50,21 +50,29 @@ class Overview:
         return max((m.done + m.failed for m in self.minutes), default=0)
 
 
+def live_queues(alias: str | None = None) -> dict[str, QueueHealth]:
+    """Queues with queued, running or failed jobs, from the three partial indexes only."""
+    connection = connections[alias or conf.database()]
+    queues: dict[str, QueueHealth] = {}
+    for name, ready, scheduled, lag in sql.run(connection, sql.QUEUE_DEPTH, {}):
+        row = queues.setdefault(name, QueueHealth(name))
+        row.ready, row.scheduled, row.lag_seconds = ready, scheduled, float(lag)
+    for name, running, expired in sql.run(connection, sql.RUNNING_BY_QUEUE, {}):
+        row = queues.setdefault(name, QueueHealth(name))
+        row.running, row.expired = running, expired
+    for name, failed in sql.run(connection, sql.FAILED_BY_QUEUE, {}):
+        queues.setdefault(name, QueueHealth(name)).failed = failed
+    return queues
+
+
 def overview(alias: str | None = None, *, minutes: int = 60, failures: int = 10) -> Overview:
     """Per-queue numbers, throughput per minute over ``minutes`` and the last failures."""
     connection = connections[alias or conf.database()]
-    queues: dict[str, QueueHealth] = {}
+    queues = live_queues(alias)
 
     def health(name: str) -> QueueHealth:
         return queues.setdefault(name, QueueHealth(name))
 
-    for name, ready, scheduled, lag in sql.run(connection, sql.QUEUE_DEPTH, {}):
-        row = health(name)
-        row.ready, row.scheduled, row.lag_seconds = ready, scheduled, float(lag)
-    for name, running, expired in sql.run(connection, sql.RUNNING_BY_QUEUE, {}):
-        health(name).running, health(name).expired = running, expired
-    for name, failed in sql.run(connection, sql.FAILED_BY_QUEUE, {}):
-        health(name).failed = failed
     by_minute: dict[datetime, Minute] = {}
     for minute, name, done, failed in sql.run(connection, sql.THROUGHPUT, {"minutes": minutes}):
         slot = by_minute.setdefault(minute, Minute(minute))
