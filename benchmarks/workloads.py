@@ -26,7 +26,7 @@ from benchmarks.db import TASK, Admin, BenchAbort, pgbench_params
 from benchmarks.jobs import stamp
 from benchmarks.proc import ServerCpu, rss_bytes
 from benchmarks.sizes import Sizes
-from django_pgjobs import sql
+from django_pgjobs import conf, sql
 from django_pgjobs.models import Job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -389,6 +389,8 @@ class Bench:
             "-M", "prepared", "-t", str(per_client), "-f", str(script),
             "-D", "queue=default", "-D", f"limit={sizes.claim_batch}",
             "-D", "lease=300 seconds", "-D", "worker_id=pgbench",
+            # The worker's own commit setting, so the ceiling is of the same transactions.
+            "-D", f"synchronous_commit={conf.worker_synchronous_commit() or 'on'}",
         )
         done, bad = self.admin.conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'done' AND attempts = 1), "
@@ -466,8 +468,8 @@ def ceiling_script() -> str:
     """
     claim_params = set(pgbench_params(sql.CLAIM))
     complete_params = set(pgbench_params(sql.COMPLETE))
-    known_claim = {"queue", "limit", "lease", "worker_id"}
-    known_complete = {"ids", "attempts", "claimed_at", "results"}
+    known_claim = {"queue", "limit", "lease", "worker_id", "synchronous_commit"}
+    known_complete = {"ids", "attempts", "claimed_at", "results", "synchronous_commit"}
     if not claim_params <= known_claim or not complete_params <= known_complete:
         raise BenchAbort(
             "sql.CLAIM/COMPLETE take parameters this script does not know: "

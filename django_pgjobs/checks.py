@@ -106,6 +106,25 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 id="pgjobs.E004",
             )
         )
+    if conf.get("NOTIFY") not in conf.NOTIFY_MODES:
+        errors.append(
+            checks.Error(
+                f"PGJOBS['NOTIFY'] is {conf.get('NOTIFY')!r}.",
+                hint="Use 'background' (the default) or 'inline'.",
+                id="pgjobs.E012",
+            )
+        )
+    try:
+        validation.synchronous_commit(conf.get("WORKER_SYNCHRONOUS_COMMIT"))
+    except InvalidJobOptions as exc:
+        errors.append(
+            checks.Error(
+                f"PGJOBS['WORKER_SYNCHRONOUS_COMMIT']: {exc}",
+                hint="'off' (the default) lets the worker's claims and outcomes commit "
+                "without waiting for the WAL flush; None keeps the server's setting.",
+                id="pgjobs.E011",
+            )
+        )
     try:
         validation.queue_name(conf.get("QUEUE"))
     except InvalidJobOptions as exc:

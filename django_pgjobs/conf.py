@@ -20,6 +20,10 @@ DEFAULTS: dict[str, Any] = {
     "LISTEN_DATABASE": None,
     # NOTIFY channel; the payload is the queue name.
     "CHANNEL": "pgjobs",
+    # How a committed enqueue's NOTIFY is sent: "background" (a thread of the enqueuing
+    # process, on its own connection, coalescing) or "inline" (on the caller's connection,
+    # right after the commit).
+    "NOTIFY": "background",
     "QUEUE": "default",
     "MAX_ATTEMPTS": 5,
     # A failed attempt n is retried BACKOFF_BASE * 2^n seconds later (20 s, 40 s, 80 s, ...),
@@ -35,6 +39,10 @@ DEFAULTS: dict[str, Any] = {
     # Seconds between in-worker reaps; 0 disables them.
     "REAP_INTERVAL": 60.0,
     "MODE": "lease",
+    # synchronous_commit of a lease-mode worker's own claims and fenced writes ("off": they do
+    # not wait for the WAL flush; a crash loses at most the last few, which the lease and the
+    # fences recover). None keeps the server's setting. Enqueues are never affected.
+    "WORKER_SYNCHRONOUS_COMMIT": "off",
     # Seconds a stopping worker waits for running jobs before it exits anyway.
     "SHUTDOWN_TIMEOUT": 30.0,
     # Extra modules to import at start-up, for @job functions outside apps' jobs/tasks modules.
@@ -42,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 MODES = ("lease", "transaction")
+NOTIFY_MODES = ("background", "inline")
 
 
 def raw() -> object:
@@ -107,3 +116,8 @@ def mode() -> str:
 def shutdown_timeout() -> float:
     return float(get("SHUTDOWN_TIMEOUT"))
 
+
+
+def worker_synchronous_commit() -> str | None:
+    value = get("WORKER_SYNCHRONOUS_COMMIT")
+    return None if value is None else str(value)

@@ -8,6 +8,7 @@ The ``*_many`` forms do the same for a batch in one statement; the worker uses t
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -118,6 +119,23 @@ def _claims(jobs: Iterable[Claim]) -> dict[str, list[Any]]:
 class JobManager(models.Manager["Job"]):
     """``Job.objects``: the queue's verbs, as raw SQL on this manager's database alias."""
 
+    # synchronous_commit for the claim and the fenced writes; None keeps the session's.
+    _synchronous_commit: str | None = None
+
+    def with_synchronous_commit(self, value: str | None) -> JobManager:
+        """A copy whose claims and fenced writes commit with ``synchronous_commit = value``.
+
+        The worker's ``PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]``: with ``"off"`` those commits do
+        not wait for the WAL flush. Applied per statement (``set_config(..., true)``), and
+        only outside ``atomic()``: a caller's own transaction keeps its durability.
+        """
+        manager = copy.copy(self)
+        manager._synchronous_commit = validation.synchronous_commit(value)
+        return manager
+
+    def _commit_mode(self, connection: BaseDatabaseWrapper) -> str | None:
+        return None if connection.in_atomic_block else self._synchronous_commit
+
     @property
     def db_alias(self) -> str:
         """The alias the verbs run on: ``db_manager(alias)``, else ``PGJOBS["DATABASE"]``."""
@@ -213,12 +231,12 @@ class JobManager(models.Manager["Job"]):
         texts = [validation.payload(p) for p in payloads]
         if not texts:
             return [], fields
-        connection = self.connection()
-        rows = sql.run(
-            connection,
-            sql.ENQUEUE,
-            {**fields, "payloads": texts, "run_at": when, "delay": wait},
-        )
+        params = {**fields, "run_at": when, "delay": wait}
+        if len(texts) == 1:
+            rows = sql.run(self.connection(), sql.ENQUEUE_ONE, params | {"payload": texts[0]})
+        else:
+            payloads = "[" + ",".join(texts) + "]"
+            rows = sql.run(self.connection(), sql.ENQUEUE, params | {"payloads": payloads})
         notify_on_commit(self.db_alias, fields["queue"])
         return rows, fields
 
@@ -260,6 +278,7 @@ class JobManager(models.Manager["Job"]):
         params = {
             "queue": queue, "limit": limit, "lease": lease_td,
             "worker_id": worker_id or default_worker_id(),
+            "synchronous_commit": self._commit_mode(connection),
         }
         rows = sql.run(connection, sql.CLAIM, params)
         return [
@@ -347,7 +366,9 @@ class JobManager(models.Manager["Job"]):
             "bases": [float(base) for base, _cap in delays],
             "caps": [float(cap) for _base, cap in delays],
         }
-        rows = sql.run(self.connection(), sql.FAIL, params)
+        connection = self.connection()
+        params["synchronous_commit"] = self._commit_mode(connection)
+        rows = sql.run(connection, sql.FAIL, params)
         result = {row[0]: row[1] for row in rows}
         self._warn_fenced("fail", ids, attempts, set(result))
         return result
@@ -383,7 +404,9 @@ class JobManager(models.Manager["Job"]):
     ) -> set[int]:
         if not claims["ids"]:
             return set()
-        rows = sql.run(self.connection(), statement, {**claims, **extra})
+        connection = self.connection()
+        params = {**claims, **extra, "synchronous_commit": self._commit_mode(connection)}
+        rows = sql.run(connection, statement, params)
         changed = {row[0] for row in rows}
         self._warn_fenced(action, claims["ids"], claims["attempts"], changed)
         return changed

@@ -1,14 +1,26 @@
 """NOTIFY after commit: a hint to listening workers that a queue has work.
 
-The payload is the queue name, never the job. One notification per queue per transaction,
-sent from an ``on_commit`` hook, so a rolled-back enqueue sends nothing and a worker is never
-woken for a row it cannot see yet. A NOTIFY that fails after the commit is logged, not
-raised: the job is already safe in the table and the worker's poll will find it.
+The payload is the queue name, never the job. An enqueue registers an ``on_commit`` hook,
+once per queue per transaction, so a rolled-back enqueue sends nothing and a worker is never
+woken for a row it cannot see yet. What the hook does depends on ``PGJOBS["NOTIFY"]``:
+
+- ``"background"`` (the default): it hands the queue to this process's ``Notifier`` thread,
+  which sends the NOTIFY on its own connection. The caller's enqueue costs one statement and
+  one commit, and under heavy enqueue the thread sends one NOTIFY for everything committed
+  while it was busy: NOTIFYing transactions serialize on a database-wide lock at commit, so
+  fewer of them is what lets many enqueuers commit in parallel.
+- ``"inline"``: it sends the NOTIFY at once on the caller's connection, a second short
+  transaction after the caller's commit.
+
+Either way a NOTIFY that fails is logged, not raised: the job is already safe in the table
+and the worker's poll will find it.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,6 +31,14 @@ from django.db import DatabaseError, connections, transaction
 from django_pgjobs import conf, sql
 
 logger = logging.getLogger(__name__)
+
+def _failed(queues: Iterable[str]) -> None:
+    logger.warning(
+        "NOTIFY for queue %s failed after commit; workers will find the jobs by polling",
+        ", ".join(sorted(queues)),
+        exc_info=True,
+        extra={"action": "notify"},
+    )
 
 
 class _Notify:
@@ -31,19 +51,17 @@ class _Notify:
         self.queue = queue
 
     def __call__(self) -> None:
+        if conf.get("NOTIFY") == "background":
+            notifier.request(self.alias, conf.channel(), self.queue)
+            return
         try:
             sql.run(
                 connections[self.alias],
                 sql.NOTIFY,
-                {"channel": conf.channel(), "queue": self.queue},
+                {"channel": conf.channel(), "queues": [self.queue]},
             )
         except DatabaseError:
-            logger.warning(
-                "NOTIFY for queue %s failed after commit; workers will find the job by polling",
-                self.queue,
-                exc_info=True,
-                extra={"action": "notify", "queue": self.queue},
-            )
+            _failed([self.queue])
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -65,6 +83,99 @@ def notify_on_commit(alias: str, queue: str) -> None:
     ):
         return
     transaction.on_commit(callback, using=alias)
+
+
+class Notifier:
+    """Sends this process's NOTIFYs from one background thread, off the enqueuing path.
+
+    ``request()`` only records ``(alias, channel) -> queue`` and wakes the thread, which sends
+    one statement per alias and channel for every queue recorded since its last send: while
+    one NOTIFY is on the wire, the next ones coalesce. The thread starts on the first request
+    and, after ``idle`` seconds without one, closes its connections and exits (an idle
+    process keeps no extra connection; serverless Postgres may suspend). ``flush()`` waits
+    until everything requested has been sent; at interpreter exit the pending NOTIFYs are
+    flushed, so a script that enqueues and exits still wakes the workers at once.
+    """
+
+    def __init__(self, idle: float = 10.0) -> None:
+        self.idle = idle
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+        atexit.register(self.shutdown)
+
+    def _reset(self) -> None:
+        # After a fork the thread is gone; its connections belong to the parent: forget them.
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: dict[tuple[str, str], set[str]] = {}
+        self._sending = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def request(self, alias: str, channel: str, queue: str) -> None:
+        with self._lock:
+            self._pending.setdefault((alias, channel), set()).add(queue)
+            self._stop = False
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="pgjobs-notifier", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every requested NOTIFY was sent (or failed); False on timeout."""
+        with self._lock:
+            return self._wake.wait_for(
+                lambda: not self._pending and not self._sending, timeout=timeout
+            )
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Send what is pending, then close the connections and end the thread."""
+        self.flush(timeout)
+        with self._lock:
+            thread, self._stop = self._thread, True
+            self._wake.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        links: dict[str, psycopg.Connection[Any]] = {}
+        try:
+            while True:
+                with self._lock:
+                    self._sending = False
+                    self._wake.notify_all()
+                    if not self._pending and not self._stop:
+                        self._wake.wait(self.idle)
+                    if not self._pending:
+                        self._thread = None
+                        return
+                    batch, self._pending, self._sending = self._pending, {}, True
+                for (alias, channel), queues in batch.items():
+                    self._send(links, alias, channel, sorted(queues))
+        finally:
+            for link in links.values():
+                link.close()
+
+    @staticmethod
+    def _send(
+        links: dict[str, psycopg.Connection[Any]], alias: str, channel: str, queues: list[str]
+    ) -> None:
+        try:
+            link = links.get(alias)
+            if link is None or link.closed:
+                params = connection_params(alias) | {"application_name": "pgjobs-notifier"}
+                link = links[alias] = psycopg.connect(**params, autocommit=True)
+            link.execute(sql.NOTIFY, {"channel": channel, "queues": queues})
+        except Exception:  # any failure: the thread must live on, and the NOTIFY is a hint
+            bad = links.pop(alias, None)
+            if bad is not None:
+                bad.close()
+            _failed(queues)
+
+
+notifier = Notifier()
 
 
 # Options Django understands but libpq does not.

@@ -25,18 +25,43 @@ if TYPE_CHECKING:
     from typing_extensions import LiteralString
 
 
-# One INSERT for any number of jobs. run_at comes from the database clock unless given.
+# One job: the plain VALUES form plans faster than unnest, and enqueue() is the hot path.
+ENQUEUE_ONE: LiteralString = """
+INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
+VALUES (%(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s,
+        coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0')))
+RETURNING id, run_at, created_at
+"""
+
+# One INSERT for any number of jobs. The payloads arrive as one JSON array (one parameter,
+# parsed once by the server) rather than a jsonb[] whose every element the client escapes;
+# ids come back in the payloads' order.
 ENQUEUE: LiteralString = """
 INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
 SELECT %(queue)s, %(task)s, p, %(priority)s, %(max_attempts)s,
        coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0'))
-FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS t(p, n)
+FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS t(p, n)
 ORDER BY n
-RETURNING id, run_at, created_at
+RETURNING id
 """
 
-# A hint, never the job: listeners re-run the claim. Sent after commit, once per queue.
-NOTIFY: LiteralString = "SELECT pg_notify(%(channel)s, %(queue)s)"
+# A hint, never the job: listeners re-run the claim. Sent after the enqueue's commit, once per
+# queue, in one statement for every queue that has news. Its own transaction need not wait
+# for the WAL flush (a crash drops every listener anyway), so it never adds an fsync.
+NOTIFY: LiteralString = """
+SELECT pg_notify(%(channel)s, q)
+FROM unnest(%(queues)s::text[]) AS q, set_config('synchronous_commit', 'off', true)
+"""
+
+# The worker's own writes may commit without waiting for the WAL flush
+# (PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]). The setting is changed by a local set_config inside
+# the statement itself, an InitPlan the planner runs once, so it lasts for this one
+# transaction and never reaches another client of a transaction-mode pooler. NULL keeps the
+# session's own setting. Appended to the WHERE of the claim and of each fenced write.
+_COMMIT: LiteralString = """
+  AND (SELECT set_config('synchronous_commit',
+                         coalesce(%(synchronous_commit)s::text,
+                                  current_setting('synchronous_commit')), true)) IS NOT NULL"""
 
 # Lock the chosen rows in the CTE (SKIP LOCKED: never wait behind another worker), then
 # update through it. Never `WHERE id = (SELECT ... LIMIT 1)`: without the lock two workers
@@ -59,9 +84,9 @@ SET status       = 'running',
     attempted_at = now(),
     worker_ids   = j.worker_ids || to_jsonb(%(worker_id)s::text)
 FROM next
-WHERE j.id = next.id
+WHERE j.id = next.id""" + _COMMIT + """
 RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts, j.attempted_at
-"""
+"""  # noqa: S608 (literals joined; nothing is interpolated)
 
 COMPLETE: LiteralString = """
 UPDATE pgjobs_job j
@@ -70,7 +95,7 @@ FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[
             %(results)s::jsonb[])
      AS mine(id, attempts, claimed_at, result)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
 RETURNING j.id
 """
 
@@ -94,7 +119,7 @@ FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[
             %(caps)s::float8[])
      AS mine(id, attempts, claimed_at, error, error_class, base, cap)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
 RETURNING j.id, j.status, j.run_at
 """
 
@@ -105,7 +130,7 @@ SET locked_until = now() + %(lease)s::interval
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
      AS mine(id, attempts, claimed_at)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
 RETURNING j.id
 """
 
@@ -121,7 +146,7 @@ SET status       = 'queued',
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
      AS mine(id, attempts, claimed_at)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
 RETURNING j.id
 """
 

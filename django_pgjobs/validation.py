@@ -47,6 +47,19 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
+# PostgreSQL's values of synchronous_commit (None: leave the session's setting alone).
+SYNCHRONOUS_COMMIT = (None, "off", "local", "on", "remote_write", "remote_apply")
+
+
+def synchronous_commit(value: object) -> str | None:
+    if value not in SYNCHRONOUS_COMMIT:
+        raise InvalidJobOptions(
+            f"Invalid synchronous_commit {value!r}: use None (the server's setting) or one of "
+            "'off', 'local', 'on', 'remote_write', 'remote_apply'."
+        )
+    return value
+
+
 # Longer than any sensible delay or lease, and well inside PostgreSQL's interval range.
 MAX_DURATION = timedelta(days=36_500)
 
@@ -95,6 +108,10 @@ def schedule(run_at: object, delay: object) -> tuple[datetime | None, timedelta 
     return None, None
 
 
+# One encoder for every payload and result: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def payload(value: object) -> str:
     """Return the payload as JSON text, or raise ``InvalidPayload`` naming the bad key.
 
@@ -107,7 +124,7 @@ def payload(value: object) -> str:
         )
     value = dict(value)
     _check(value, "payload")
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    return _ENCODER.encode(value)
 
 
 def _check(value: object, path: str, error: type[Exception] = InvalidPayload) -> None:
@@ -145,4 +162,4 @@ def result(value: object) -> str | None:
     if value is None:
         return None
     _check(value, "the return value", InvalidResult)
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    return _ENCODER.encode(value)

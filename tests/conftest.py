@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from django_pgjobs.notify import notifier
 from tests.helpers import wait_until
 from tests.workers import Workers
 
@@ -25,6 +26,9 @@ def _threads_finish() -> Iterator[None]:
     next test (and TransactionTestCase's flush would wait on it)."""
     before = set(threading.enumerate())
     yield
+    # The enqueues' NOTIFY thread is the process's, not the test's: send what it holds and
+    # stop it, so its connection does not outlive the test (nor block dropping the database).
+    notifier.shutdown()
     wait_until(
         lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
         timeout=10,

@@ -29,6 +29,8 @@ VALID: dict[str, Any] = {
     "IMPORTS": ("testproject.testjobs",),
     "BACKOFF_BASE": 0,
     "BACKOFF_MAX": 0.5,
+    "NOTIFY": "inline",
+    "WORKER_SYNCHRONOUS_COMMIT": None,
 }
 
 BAD: list[tuple[Any, str]] = [
@@ -62,6 +64,10 @@ BAD: list[tuple[Any, str]] = [
     ({"BACKOFF_MAX": "1h"}, "pgjobs.E002"),
     ({"BACKOFF_BASE": 100_000}, "pgjobs.E009"),
     ({"BACKOFF_BASE": 60, "BACKOFF_MAX": 30}, "pgjobs.E009"),
+    ({"WORKER_SYNCHRONOUS_COMMIT": False}, "pgjobs.E011"),
+    ({"WORKER_SYNCHRONOUS_COMMIT": "of"}, "pgjobs.E011"),
+    ({"NOTIFY": "after_commit"}, "pgjobs.E012"),
+    ({"NOTIFY": None}, "pgjobs.E012"),
 ]
 
 

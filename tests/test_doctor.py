@@ -104,7 +104,7 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
         held = holder.execute(
             sql.CLAIM,
             {"queue": "default", "limit": 1, "lease": timedelta(minutes=5),
-             "worker_id": "doctor-test"},
+             "worker_id": "doctor-test", "synchronous_commit": None},
         ).fetchall()
         assert len(held) == 1
         try:

@@ -20,6 +20,7 @@ from django.utils import timezone
 from django_pgjobs import job, registry
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
 from django_pgjobs.models import Job
+from django_pgjobs.notify import notifier
 from testproject.shop.jobs import send_confirmation
 from testproject.shop.models import Order
 from testproject.testjobs import noop, sleep
@@ -382,6 +383,7 @@ class NotifyTests(TransactionTestCase):
             "django_pgjobs.notify", "WARNING"
         ) as logs:
             created = noop.enqueue(n=1)
+            assert notifier.flush()
         assert "NOTIFY" in logs.output[0]
         assert job_row(created.id)["status"] == "queued"
 

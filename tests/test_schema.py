@@ -30,7 +30,8 @@ class ClaimPlanTests(TransactionTestCase):
             cursor.execute("ANALYZE pgjobs_job")
             cursor.execute(
                 "EXPLAIN (COSTS OFF) " + sql.CLAIM,
-                {"queue": "default", "limit": 10, "lease": "5 minutes", "worker_id": "explain"},
+                {"queue": "default", "limit": 10, "lease": "5 minutes", "worker_id": "explain",
+                 "synchronous_commit": "off"},
             )
             plan = [row[0] for row in cursor.fetchall()]
         text = "\n".join(plan)

@@ -383,7 +383,8 @@ def test_the_claim_with_task_priorities_still_scans_the_ready_index() -> None:
         cursor.execute("ANALYZE pgjobs_job")
         cursor.execute(
             "EXPLAIN (COSTS OFF) " + sql.CLAIM,
-            {"queue": "default", "limit": 10, "lease": "5 minutes", "worker_id": "explain"},
+            {"queue": "default", "limit": 10, "lease": "5 minutes", "worker_id": "explain",
+             "synchronous_commit": None},
         )
         lines = [row[0] for row in cursor.fetchall()]
     plan = "\n".join(lines)

@@ -105,7 +105,8 @@ def test_an_open_transaction_holding_a_claim_keeps_vacuum_from_removing_dead_row
             # The seed's experiment: a transaction-mode claim left open (a slow job).
             held = holder.execute(
                 sql.CLAIM,
-                {"queue": "default", "limit": 1, "lease": timedelta(minutes=5), "worker_id": "t"},
+                {"queue": "default", "limit": 1, "lease": timedelta(minutes=5), "worker_id": "t",
+                 "synchronous_commit": None},
             ).fetchall()
             assert len(held) == 1
             worker = workers.burst("--concurrency", "4")

@@ -98,7 +98,11 @@ class Worker:
             conf.shutdown_timeout() if shutdown_timeout is None else shutdown_timeout,
             minimum=0,
         )
-        self.manager: JobManager = Job.objects.db_manager(self.database)
+        # Lease mode's claims and outcomes are the worker's own transactions; in transaction
+        # mode they share the job's transaction, which keeps the server's durability.
+        self.manager: JobManager = Job.objects.db_manager(self.database).with_synchronous_commit(
+            conf.worker_synchronous_commit() if self.mode == "lease" else None
+        )
         self.worker_id = default_worker_id()
         self.stats = WorkerStats()
         self.stopping = threading.Event()
