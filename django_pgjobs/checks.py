@@ -106,11 +106,20 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 id="pgjobs.E004",
             )
         )
+    if not isinstance(conf.get("PREPARE"), bool):
+        errors.append(
+            checks.Error(
+                f"PGJOBS['PREPARE'] is {conf.get('PREPARE')!r}.",
+                hint="Use True (the default) or False (behind a transaction-mode pooler "
+                "without prepared-statement support).",
+                id="pgjobs.E013",
+            )
+        )
     if conf.get("NOTIFY") not in conf.NOTIFY_MODES:
         errors.append(
             checks.Error(
                 f"PGJOBS['NOTIFY'] is {conf.get('NOTIFY')!r}.",
-                hint="Use 'background' (the default) or 'inline'.",
+                hint="Use 'auto' (the default), 'background' or 'inline'.",
                 id="pgjobs.E012",
             )
         )

@@ -20,10 +20,11 @@ DEFAULTS: dict[str, Any] = {
     "LISTEN_DATABASE": None,
     # NOTIFY channel; the payload is the queue name.
     "CHANNEL": "pgjobs",
-    # How a committed enqueue's NOTIFY is sent: "background" (a thread of the enqueuing
-    # process, on its own connection, coalescing) or "inline" (on the caller's connection,
-    # right after the commit).
-    "NOTIFY": "background",
+    # How an enqueue's NOTIFY is sent. "auto": in autocommit by the INSERT itself (one
+    # commit), after an atomic() block commits by a background thread of the process (on its
+    # own connection, coalescing). "background": always by that thread. "inline": on the
+    # caller's connection right after the commit.
+    "NOTIFY": "auto",
     "QUEUE": "default",
     "MAX_ATTEMPTS": 5,
     # A failed attempt n is retried BACKOFF_BASE * 2^n seconds later (20 s, 40 s, 80 s, ...),
@@ -43,6 +44,9 @@ DEFAULTS: dict[str, Any] = {
     # not wait for the WAL flush; a crash loses at most the last few, which the lease and the
     # fences recover). None keeps the server's setting. Enqueues are never affected.
     "WORKER_SYNCHRONOUS_COMMIT": "off",
+    # Server-side prepared statements on a lease-mode worker's own connections. Set False
+    # when DATABASE goes through a transaction-mode pooler that does not support them.
+    "PREPARE": True,
     # Seconds a stopping worker waits for running jobs before it exits anyway.
     "SHUTDOWN_TIMEOUT": 30.0,
     # Extra modules to import at start-up, for @job functions outside apps' jobs/tasks modules.
@@ -50,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 MODES = ("lease", "transaction")
-NOTIFY_MODES = ("background", "inline")
+NOTIFY_MODES = ("auto", "background", "inline")
 
 
 def raw() -> object:
@@ -121,3 +125,7 @@ def shutdown_timeout() -> float:
 def worker_synchronous_commit() -> str | None:
     value = get("WORKER_SYNCHRONOUS_COMMIT")
     return None if value is None else str(value)
+
+
+def prepare() -> bool:
+    return bool(get("PREPARE"))

@@ -17,10 +17,13 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from django.conf import settings as django_settings
 from django.db import connections, models
 from django.db.transaction import TransactionManagementError
+from django.utils import timezone
 
 from django_pgjobs import conf, registry, sql, validation
 from django_pgjobs.exceptions import InvalidJobOptions, NotPostgreSQL
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
 
     from django_pgjobs.models import Job
+    from django_pgjobs.worker.db import DirectConnections
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,19 @@ def _clean_error(error: str) -> str:
 Claim = ClaimedJob | tuple[int, int] | tuple[int, int, datetime | None]
 
 
+# The new row's list columns (their default is an empty list); every other column that
+# enqueue() does not set is NULL.
+_LIST_COLUMNS = frozenset({"errors", "worker_ids"})
+
+
+def _timestamp(text: str) -> datetime:
+    """A timestamp the enqueue returned as ISO 8601 JSON text, as Django would load it."""
+    value = datetime.fromisoformat(text)
+    if not django_settings.USE_TZ:
+        return timezone.make_naive(value)
+    return value.astimezone(dt_timezone.utc)
+
+
 def _claim(job: Claim) -> tuple[int, int, datetime | None]:
     if isinstance(job, ClaimedJob):
         return job.id, job.attempts, job.claimed_at
@@ -121,6 +138,32 @@ class JobManager(models.Manager["Job"]):
 
     # synchronous_commit for the claim and the fenced writes; None keeps the session's.
     _synchronous_commit: str | None = None
+    # Where a lease-mode claim and the fenced writes run: a worker's own psycopg connections
+    # (worker.db.Direct), or None for this alias's Django connection.
+    _direct: DirectConnections | None = None
+
+    def with_direct_connections(self, direct: DirectConnections) -> JobManager:
+        """A copy whose lease-mode claims and fenced writes run on ``direct.get()``.
+
+        The worker's hot path: a plain psycopg connection per thread (autocommit, optionally
+        with prepared statements) skips Django's cursor wrappers and the server's re-planning
+        of the same statements. Errors are then psycopg's own, not ``django.db``'s.
+        """
+        manager = copy.copy(self)
+        manager._direct = direct
+        return manager
+
+    def close_direct_connection(self) -> None:
+        """Close the calling thread's direct connection, if this manager has any."""
+        if self._direct is not None:
+            self._direct.close()
+
+    def _hot(self) -> tuple[sql.Connection, str | None]:
+        """The connection for a lease-mode claim or a fenced write, and its commit setting."""
+        if self._direct is not None:
+            return self._direct.get(), self._synchronous_commit
+        connection = self.connection()
+        return connection, self._commit_mode(connection)
 
     def with_synchronous_commit(self, value: str | None) -> JobManager:
         """A copy whose claims and fenced writes commit with ``synchronous_commit = value``.
@@ -134,7 +177,8 @@ class JobManager(models.Manager["Job"]):
         return manager
 
     def _commit_mode(self, connection: BaseDatabaseWrapper) -> str | None:
-        return None if connection.in_atomic_block else self._synchronous_commit
+        mine = connection.get_autocommit() and not connection.in_atomic_block
+        return self._synchronous_commit if mine else None
 
     @property
     def db_alias(self) -> str:
@@ -177,10 +221,19 @@ class JobManager(models.Manager["Job"]):
             max_attempts=max_attempts,
         )
         job_id, job_run_at, created_at = rows[0]
-        return self.model(
-            id=job_id, payload=payload, run_at=job_run_at, created_at=created_at, attempts=0,
-            status="queued", **fields,
-        )
+        known = {
+            "id": job_id, "payload": payload, "run_at": _timestamp(job_run_at),
+            "created_at": _timestamp(created_at), "attempts": 0, "status": "queued", **fields,
+        }
+        # Every column in order, as a row read back (from_db): Django's positional fast path.
+        values = [
+            known[name] if name in known else [] if name in _LIST_COLUMNS else None
+            for name in self._column_names()
+        ]
+        return self.model.from_db(self.db_alias, self._column_names(), values)
+
+    def _column_names(self) -> list[str]:
+        return [field.attname for field in self.model._meta.concrete_fields]
 
     def enqueue_many(
         self,
@@ -231,13 +284,21 @@ class JobManager(models.Manager["Job"]):
         texts = [validation.payload(p) for p in payloads]
         if not texts:
             return [], fields
-        params = {**fields, "run_at": when, "delay": wait}
+        connection = self.connection()
+        # In autocommit the INSERT is the whole transaction: it sends its own NOTIFY.
+        here = (
+            conf.get("NOTIFY") == "auto"
+            and connection.get_autocommit() and not connection.in_atomic_block
+        )
+        params = {**fields, "run_at": when, "delay": wait,
+                  "notify_channel": conf.channel() if here else None}
         if len(texts) == 1:
-            rows = sql.run(self.connection(), sql.ENQUEUE_ONE, params | {"payload": texts[0]})
+            rows = sql.run(connection, sql.ENQUEUE_ONE, params | {"payload": texts[0]})
         else:
             payloads = "[" + ",".join(texts) + "]"
-            rows = sql.run(self.connection(), sql.ENQUEUE, params | {"payloads": payloads})
-        notify_on_commit(self.db_alias, fields["queue"])
+            rows = sql.run(connection, sql.ENQUEUE, params | {"payloads": payloads})
+        if not here:
+            notify_on_commit(self.db_alias, fields["queue"])
         return rows, fields
 
     # -- claim -------------------------------------------------------------------------
@@ -275,12 +336,14 @@ class JobManager(models.Manager["Job"]):
                 "claim(mode='transaction') must run inside transaction.atomic(): the claim, "
                 "the job and its completion share that transaction."
             )
+        target, commit = (
+            self._hot() if mode == "lease" else (connection, self._commit_mode(connection))
+        )
         params = {
             "queue": queue, "limit": limit, "lease": lease_td,
-            "worker_id": worker_id or default_worker_id(),
-            "synchronous_commit": self._commit_mode(connection),
+            "worker_id": worker_id or default_worker_id(), "synchronous_commit": commit,
         }
-        rows = sql.run(connection, sql.CLAIM, params)
+        rows = sql.run(target, sql.CLAIM, params)
         return [
             ClaimedJob(
                 id=job_id,
@@ -366,8 +429,7 @@ class JobManager(models.Manager["Job"]):
             "bases": [float(base) for base, _cap in delays],
             "caps": [float(cap) for _base, cap in delays],
         }
-        connection = self.connection()
-        params["synchronous_commit"] = self._commit_mode(connection)
+        connection, params["synchronous_commit"] = self._hot()
         rows = sql.run(connection, sql.FAIL, params)
         result = {row[0]: row[1] for row in rows}
         self._warn_fenced("fail", ids, attempts, set(result))
@@ -404,9 +466,8 @@ class JobManager(models.Manager["Job"]):
     ) -> set[int]:
         if not claims["ids"]:
             return set()
-        connection = self.connection()
-        params = {**claims, **extra, "synchronous_commit": self._commit_mode(connection)}
-        rows = sql.run(connection, statement, params)
+        connection, commit = self._hot()
+        rows = sql.run(connection, statement, {**claims, **extra, "synchronous_commit": commit})
         changed = {row[0] for row in rows}
         self._warn_fenced(action, claims["ids"], claims["attempts"], changed)
         return changed
@@ -425,7 +486,7 @@ class JobManager(models.Manager["Job"]):
 
     def seconds_until_due(self, queues: Sequence[str]) -> float | None:
         """Seconds until the earliest job of ``queues`` that is not yet due becomes due."""
-        rows = sql.run(self.connection(), sql.NEXT_DUE, {"queues": list(queues)})
+        rows = sql.run(self._hot()[0], sql.NEXT_DUE, {"queues": list(queues)})
         seconds = rows[0][0] if rows else None
         return None if seconds is None else max(0.0, float(seconds))
 
@@ -453,7 +514,7 @@ class JobManager(models.Manager["Job"]):
         changed as ``(id, status, attempts)``.
         """
         validation.positive_int("batch_size", batch_size)
-        connection = self.connection()
+        connection = self._hot()[0]
         reaped: list[Reaped] = []
         while True:
             rows = [Reaped(*row) for row in sql.run(connection, sql.REAP, {"limit": batch_size})]

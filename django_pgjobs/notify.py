@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -51,7 +52,7 @@ class _Notify:
         self.queue = queue
 
     def __call__(self) -> None:
-        if conf.get("NOTIFY") == "background":
+        if conf.get("NOTIFY") != "inline":
             notifier.request(self.alias, conf.channel(), self.queue)
             return
         try:
@@ -100,8 +101,13 @@ class Notifier:
     def __init__(self, idle: float = 10.0) -> None:
         self.idle = idle
         self._reset()
-        os.register_at_fork(after_in_child=self._reset)
+        os.register_at_fork(after_in_child=self._forked)
         atexit.register(self.shutdown)
+
+    def _forked(self) -> None:
+        self._reset()
+        # A multiprocessing child ends with os._exit, which skips atexit: flush there too.
+        multiprocessing.util.Finalize(self, self.shutdown, exitpriority=0)
 
     def _reset(self) -> None:
         # After a fork the thread is gone; its connections belong to the parent: forget them.
@@ -117,10 +123,16 @@ class Notifier:
             self._pending.setdefault((alias, channel), set()).add(queue)
             self._stop = False
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="pgjobs-notifier", daemon=True
-                )
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="pgjobs-notifier", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:
+                    # No thread to be had (a thread limit, or the interpreter shutting down):
+                    # drop the hints; the job is committed and a poll will find it.
+                    self._pending.clear()
+                    _failed([queue])
+                    return
+                self._thread = thread
             self._wake.notify()
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -165,7 +177,7 @@ class Notifier:
         try:
             link = links.get(alias)
             if link is None or link.closed:
-                params = connection_params(alias) | {"application_name": "pgjobs-notifier"}
+                params = connection_params(alias, "pgjobs-notifier")
                 link = links[alias] = psycopg.connect(**params, autocommit=True)
             link.execute(sql.NOTIFY, {"channel": channel, "queues": queues})
         except Exception:  # any failure: the thread must live on, and the NOTIFY is a hint
@@ -182,8 +194,12 @@ notifier = Notifier()
 _DJANGO_ONLY_OPTIONS = {"isolation_level", "server_side_binding", "assume_role", "pool"}
 
 
-def connection_params(alias: str) -> dict[str, Any]:
-    """libpq parameters for a direct psycopg connection to the server behind ``alias``."""
+def connection_params(alias: str, application_name: str | None = None) -> dict[str, Any]:
+    """libpq parameters for a direct psycopg connection to the server behind ``alias``.
+
+    ``application_name`` names the connection unless the alias's ``OPTIONS`` name it; left
+    out, it is named as Django's own connections are (``OPTIONS``, else ``PGAPPNAME``).
+    """
     settings_dict = connections[alias].settings_dict
     params: dict[str, Any] = {
         "dbname": settings_dict["NAME"],
@@ -197,7 +213,7 @@ def connection_params(alias: str) -> dict[str, Any]:
         "keepalives_idle": 60,
         "keepalives_interval": 10,
         "keepalives_count": 3,
-        "application_name": "pgjobs-listener",
+        "application_name": application_name,
     }
     params.update(
         (key, value)
@@ -241,7 +257,7 @@ class Listener(threading.Thread):
 
     def run(self) -> None:
         delay = 0.0
-        params = connection_params(self.alias)
+        params = connection_params(self.alias, "pgjobs-listener")
         channel = conf.channel()
         while not self._stopping.is_set():
             try:

@@ -16,8 +16,9 @@ shares; a NULL there (a caller who only has id and attempts) fences on attempts 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
+import psycopg
 from psycopg.sql import SQL, Composed, Identifier
 
 if TYPE_CHECKING:
@@ -25,12 +26,22 @@ if TYPE_CHECKING:
     from typing_extensions import LiteralString
 
 
-# One job: the plain VALUES form plans faster than unnest, and enqueue() is the hot path.
+# In autocommit the enqueue's own statement sends the NOTIFY (PGJOBS["NOTIFY"] "auto"):
+# one statement and one commit, and PostgreSQL delivers it only once the row is committed.
+# With a NULL channel the planner folds the condition away and nothing is sent. The
+# subquery is an InitPlan, so it runs once per statement, not once per row.
+_NOTIFY_HERE: LiteralString = """
+WHERE %(notify_channel)s::text IS NULL
+   OR (SELECT pg_notify(%(notify_channel)s, %(queue)s)) IS NOT NULL"""
+
+# One job: enqueue() is the hot path, and a FROM-less SELECT plans faster than unnest. The
+# times come back as JSON text (always ISO 8601, whatever the DateStyle): cheaper to read.
 ENQUEUE_ONE: LiteralString = """
 INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
-VALUES (%(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s,
-        coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0')))
-RETURNING id, run_at, created_at
+SELECT %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s,
+       coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0'))
+""" + _NOTIFY_HERE + """
+RETURNING id, to_json(run_at) #>> '{}', to_json(created_at) #>> '{}'
 """
 
 # One INSERT for any number of jobs. The payloads arrive as one JSON array (one parameter,
@@ -41,6 +52,7 @@ INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
 SELECT %(queue)s, %(task)s, p, %(priority)s, %(max_attempts)s,
        coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0'))
 FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS t(p, n)
+""" + _NOTIFY_HERE + """
 ORDER BY n
 RETURNING id
 """
@@ -217,10 +229,17 @@ SELECT * FROM moved
 """
 
 
+# A Django connection, or one of a worker's own psycopg connections (worker.db.Direct).
+Connection: TypeAlias = "BaseDatabaseWrapper | psycopg.Connection[Any]"
+
+
 def run(
-    connection: BaseDatabaseWrapper, statement: LiteralString, params: Mapping[str, Any]
+    connection: Connection, statement: LiteralString, params: Mapping[str, Any]
 ) -> list[tuple[Any, ...]]:
-    """Execute one statement on a Django connection; return its rows (none for no result)."""
+    """Execute one statement; return its rows (none for a statement without a result)."""
+    if isinstance(connection, psycopg.Connection):
+        result = connection.execute(statement, params)
+        return result.fetchall() if result.description else []
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         return list(cursor.fetchall()) if cursor.description else []

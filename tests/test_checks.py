@@ -31,6 +31,7 @@ VALID: dict[str, Any] = {
     "BACKOFF_MAX": 0.5,
     "NOTIFY": "inline",
     "WORKER_SYNCHRONOUS_COMMIT": None,
+    "PREPARE": False,
 }
 
 BAD: list[tuple[Any, str]] = [
@@ -68,6 +69,8 @@ BAD: list[tuple[Any, str]] = [
     ({"WORKER_SYNCHRONOUS_COMMIT": "of"}, "pgjobs.E011"),
     ({"NOTIFY": "after_commit"}, "pgjobs.E012"),
     ({"NOTIFY": None}, "pgjobs.E012"),
+    ({"PREPARE": "yes"}, "pgjobs.E013"),
+    ({"PREPARE": 1}, "pgjobs.E013"),
 ]
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import threading
 import types
 from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from django.db import DatabaseError, connection, transaction
@@ -378,14 +379,33 @@ class NotifyTests(TransactionTestCase):
             assert default.quiet() == []
 
     def test_a_failed_notify_is_logged_not_raised(self) -> None:
-        # The job is committed and safe; the NOTIFY is only a hint.
+        # After an atomic() block the NOTIFY is sent once the job is committed and safe: a
+        # NOTIFY that fails then is only a lost hint.
         with override_settings(PGJOBS={"CHANNEL": "x" * 64}), self.assertLogs(
             "django_pgjobs.notify", "WARNING"
         ) as logs:
-            created = noop.enqueue(n=1)
+            with transaction.atomic():
+                created = noop.enqueue(n=1)
             assert notifier.flush()
         assert "NOTIFY" in logs.output[0]
         assert job_row(created.id)["status"] == "queued"
+
+    def test_autocommit_notify_is_part_of_the_insert(self) -> None:
+        # In autocommit (NOTIFY "auto") the INSERT sends its own NOTIFY: one statement and
+        # one commit. A NOTIFY the server refuses therefore refuses the row with it.
+        with override_settings(PGJOBS={"CHANNEL": "x" * 64}), pytest.raises(
+            DatabaseError, match="channel name too long"
+        ):
+            noop.enqueue(n=1)
+        assert Job.objects.count() == 0
+        with listening() as listener:
+            sent_by = scalar("SELECT pg_backend_pid()")
+            noop.enqueue(n=2)
+            (note,) = listener.conn.notifies(timeout=5.0, stop_after=1)
+        assert (note.payload, note.pid) == ("default", sent_by)
+        assert notifier.flush(timeout=0) and not [
+            t for t in threading.enumerate() if t.name == "pgjobs-notifier"
+        ]
 
 
 class OrderViewTests(TestCase):
@@ -478,3 +498,67 @@ def test_two_functions_under_one_name_are_refused_a_task_included() -> None:
     assert registry.get("tests.collide").func is first
     # Registering the same function again (a module imported twice) is fine.
     job(name="tests.collide")(first)
+
+
+@override_settings(PGJOBS={"NOTIFY": "inline"})
+class InlineNotifyTests(NotifyTests):
+    """The same NOTIFY guarantees when the caller's own connection sends it after commit."""
+
+    def tearDown(self) -> None:
+        # Inline mode never starts the notifier's thread (the previous test's was stopped).
+        assert [t for t in threading.enumerate() if t.name == "pgjobs-notifier"] == []
+        super().tearDown()
+
+    # These two replace PGJOBS for their block: keep NOTIFY inline inside it.
+
+    def test_channel_comes_from_settings(self) -> None:
+        with override_settings(PGJOBS={"NOTIFY": "inline", "CHANNEL": "other_jobs"}), listening(
+            "other_jobs"
+        ) as other, listening() as default:
+            noop.enqueue()
+            assert other.receive(1) == ["default"]
+            assert default.quiet() == []
+
+    def test_a_failed_notify_is_logged_not_raised(self) -> None:
+        with override_settings(PGJOBS={"NOTIFY": "inline", "CHANNEL": "x" * 64}), self.assertLogs(
+            "django_pgjobs.notify", "WARNING"
+        ) as logs:
+            created = noop.enqueue(n=1)
+            # Inline: logged before enqueue() returned, no flush needed.
+            assert len(logs.output) == 1
+        assert "NOTIFY for queue default failed" in logs.output[0]
+        assert job_row(created.id)["status"] == "queued"
+
+
+class EnqueueManyPayloadTests(TestCase):
+    """enqueue_many sends the payloads as one JSON array text: every value survives it."""
+
+    PAYLOADS: ClassVar[list[dict[str, Any]]] = [
+        {"quote": 'say "hi"', "single": "it's", "both": "'\"'"},
+        {"backslash": "C:\\path\\to\\file", "escapes": "\\n is not a newline", "end": "\\"},
+        {"newline": "line 1\nline 2\r\n\ttab", "json_like": '["a", {"b": 1}]'},
+        {"unicode": "café ñ 日本語 🚀 \u2028 \u00e9", "emoji_key_🔑": "✓"},
+        {"nested": [1, [2, [3, [], {}]], {"deep": {"deeper": ["x", None, True, False]}}]},
+        {"numbers": [0, -1, 2**53 + 1, 1.5, -0.25, 1e-7], "empty": "", "none": None},
+        {"sql": "'); DROP TABLE pgjobs_job; --", "percent": "100% %(payloads)s %s"},
+        {},
+        {"brackets": "],[", "comma": ",", "array_end": "]"},
+    ]
+
+    def test_payloads_round_trip_exactly_and_ids_follow_their_order(self) -> None:
+        ids = Job.objects.enqueue_many(noop, self.PAYLOADS)
+        assert len(ids) == len(self.PAYLOADS)
+        assert ids == sorted(ids) and len(set(ids)) == len(ids)
+        assert [job_row(i)["payload"] for i in ids] == self.PAYLOADS
+        by_id = dict(Job.objects.filter(id__in=ids).values_list("id", "payload"))
+        assert [by_id[i] for i in ids] == self.PAYLOADS
+
+    def test_reversed_order_gives_reversed_payloads(self) -> None:
+        payloads = list(reversed(self.PAYLOADS))
+        ids = Job.objects.enqueue_many(noop, payloads, queue="reversed")
+        assert [job_row(i)["payload"] for i in ids] == payloads
+
+    def test_a_single_payload_round_trips_too(self) -> None:
+        for payload in self.PAYLOADS:
+            (job_id,) = Job.objects.enqueue_many(noop, [payload])
+            assert job_row(job_id)["payload"] == payload

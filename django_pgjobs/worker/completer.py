@@ -138,6 +138,7 @@ class Completer(threading.Thread):
                 if closing and not self._pending:
                     return
         finally:
+            self.manager.close_direct_connection()
             connections.close_all()
 
     def _write_each(self, batch: list[Outcome]) -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import psycopg
 from django.db import DatabaseError, InterfaceError, connections
+
+from django_pgjobs.notify import connection_params
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -89,3 +92,38 @@ def tidy() -> None:
         if connection.settings_dict.get("CONN_MAX_AGE") == 0:
             connection.close_at = None
         connection.close_if_unusable_or_obsolete()
+
+
+class DirectConnections:
+    """A lease-mode worker's own psycopg connections for its hot statements, one per thread.
+
+    The claim and the fenced writes are a handful of statements run thousands of times: on
+    a plain autocommit connection they skip Django's cursor wrappers, and with ``prepare``
+    (``PGJOBS["PREPARE"]``) the server plans each once per connection instead of on every
+    call. Behind a transaction-mode pooler without prepared-statement support (PgBouncer
+    before 1.21, or ``max_prepared_statements = 0``) set ``PREPARE`` to False. A broken
+    connection is replaced on the next ``get()``.
+    """
+
+    def __init__(self, alias: str, *, prepare: bool) -> None:
+        self.params = connection_params(alias)
+        self.prepare = prepare
+        self._local = threading.local()
+
+    def get(self) -> psycopg.Connection[Any]:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                conn.close()
+            conn = psycopg.connect(
+                **self.params, autocommit=True, prepare_threshold=0 if self.prepare else None
+            )
+            self._local.conn = conn
+        return conn
+
+    def close(self) -> None:
+        """Close the calling thread's connection."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            self._local.conn = None
+            conn.close()

@@ -21,6 +21,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+import psycopg
 from django.db import DatabaseError, connections
 
 from django_pgjobs import conf, validation
@@ -28,7 +29,7 @@ from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.managers import ClaimedJob, JobManager, default_worker_id
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker.completer import Completer
-from django_pgjobs.worker.db import Backoff, unavailable
+from django_pgjobs.worker.db import Backoff, DirectConnections, unavailable
 from django_pgjobs.worker.executor import Executor, Ticket
 from django_pgjobs.worker.outcomes import WorkerStats
 
@@ -103,6 +104,11 @@ class Worker:
         self.manager: JobManager = Job.objects.db_manager(self.database).with_synchronous_commit(
             conf.worker_synchronous_commit() if self.mode == "lease" else None
         )
+        if self.mode == "lease":
+            # The producer's and the completer's statements go on connections of their own.
+            self.manager = self.manager.with_direct_connections(
+                DirectConnections(self.database, prepare=conf.prepare())
+            )
         self.worker_id = default_worker_id()
         self.stats = WorkerStats()
         self.stopping = threading.Event()
@@ -238,7 +244,7 @@ class Worker:
                     backoff.succeeded(self.database)
                     if got:
                         continue
-            except DatabaseError as exc:
+            except (DatabaseError, psycopg.Error) as exc:
                 if not unavailable(exc):
                     raise
                 maybe_more = True
@@ -322,6 +328,7 @@ class Worker:
         completer.close(timeout=max(self.shutdown_timeout, 5.0))
         if listener is not None:
             listener.join(timeout=5.0)
+        self.manager.close_direct_connection()
         connections.close_all()
 
 

@@ -1,0 +1,228 @@
+"""``PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]``: the worker's claims and fenced writes may commit
+without waiting for the WAL flush. The setting is a local ``set_config`` inside the statement
+itself, so it lasts one transaction, never reaches the session, and is left alone inside the
+caller's own ``atomic()``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connection, transaction
+from django.test import override_settings
+
+from django_pgjobs import sql
+from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.managers import JobManager
+from django_pgjobs.models import Job
+from django_pgjobs.worker.worker import Worker
+from testproject.testjobs import noop
+from tests.helpers import job_row, make_job, raw_connect, scalar
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def server_default() -> str:
+    """The server's own synchronous_commit, as a fresh session sees it."""
+    with raw_connect() as conn:
+        row = conn.execute("SHOW synchronous_commit").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def show() -> str:
+    """synchronous_commit as Django's own connection sees it now."""
+    return str(scalar("SHOW synchronous_commit"))
+
+
+@contextlib.contextmanager
+def commit_params() -> Iterator[list[Any]]:
+    """The ``synchronous_commit`` parameter of every statement that carries one, in order.
+
+    An observer: each statement still executes as it would without it.
+    """
+    seen: list[Any] = []
+
+    def observe(
+        execute: Callable[..., Any], statement: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        if isinstance(params, dict) and "synchronous_commit" in params:
+            seen.append(params["synchronous_commit"])
+        return execute(statement, params, many, context)
+
+    with connection.execute_wrapper(observe):
+        yield seen
+
+
+def running_job() -> int:
+    """A job claimed by a worker (attempt 1, lease still good), for the fenced writes."""
+    return make_job(status="running", attempts=1, locked_until=timedelta(minutes=5))
+
+
+def complete_params(job_id: int, synchronous_commit: str | None) -> dict[str, Any]:
+    return {
+        "ids": [job_id], "attempts": [1], "claimed_at": [None], "results": [None],
+        "synchronous_commit": synchronous_commit,
+    }
+
+
+def claim_params(synchronous_commit: str | None) -> dict[str, Any]:
+    return {
+        "queue": "default", "limit": 1, "lease": timedelta(minutes=5),
+        "worker_id": "commit-test", "synchronous_commit": synchronous_commit,
+    }
+
+
+# -- the SQL fragment, on a raw connection ----------------------------------------------
+
+
+def test_off_lasts_the_statements_transaction_and_never_reaches_the_session() -> None:
+    default = server_default()
+    assert default != "off"
+    job_id = running_job()
+    with raw_connect() as conn:
+        with conn.transaction():
+            assert conn.execute("SHOW synchronous_commit").fetchone() == (default,)
+            rows = conn.execute(sql.COMPLETE, complete_params(job_id, "off")).fetchall()
+            assert rows == [(job_id,)]
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+        assert conn.execute("SHOW synchronous_commit").fetchone() == (default,)
+    assert job_row(job_id)["status"] == "done"
+
+
+def test_the_claim_sets_it_the_same_way() -> None:
+    job_id = noop.enqueue(n=1).id
+    default = server_default()
+    with raw_connect() as conn:
+        with conn.transaction():
+            rows = conn.execute(sql.CLAIM, claim_params("off")).fetchall()
+            assert [row[0] for row in rows] == [job_id]
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+        assert conn.execute("SHOW synchronous_commit").fetchone() == (default,)
+    assert job_row(job_id)["status"] == "running"
+
+
+def test_none_keeps_the_sessions_own_value() -> None:
+    claimed = noop.enqueue(n=1).id
+    completed = running_job()
+    with raw_connect() as conn:
+        conn.execute("SET synchronous_commit = 'local'")
+        with conn.transaction():
+            assert len(conn.execute(sql.CLAIM, claim_params(None)).fetchall()) == 1
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("local",)
+            conn.execute(sql.COMPLETE, complete_params(completed, None))
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("local",)
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("local",)
+    assert job_row(claimed)["status"] == "running"
+    assert job_row(completed)["status"] == "done"
+
+
+# -- through the manager --------------------------------------------------------------
+
+
+def test_outside_atomic_the_manager_commits_with_off_and_the_session_keeps_its_value() -> None:
+    default = server_default()
+    job_id = noop.enqueue(n=1).id
+    manager = Job.objects.with_synchronous_commit("off")
+    with commit_params() as seen:
+        (claimed,) = manager.claim(queue="default", limit=1)
+        assert manager.complete(claimed.id, claimed.attempts) is True
+    assert seen == ["off", "off"]
+    assert claimed.id == job_id
+    assert job_row(job_id)["status"] == "done"
+    # Each statement was its own transaction: nothing was left on the session.
+    assert show() == default
+
+
+def test_every_fenced_write_passes_it_outside_atomic() -> None:
+    manager = Job.objects.with_synchronous_commit("off")
+    extended, failed, released = running_job(), running_job(), running_job()
+    with commit_params() as seen:
+        assert manager.extend_lease(extended, 1) is True
+        assert manager.fail(failed, 1, "boom", backoff=(0, 0)) == "queued"
+        assert manager.release(released, 1) is True
+    assert seen == ["off", "off", "off"]
+    assert show() == server_default()
+    assert job_row(released)["status"] == "queued"
+
+
+def test_inside_atomic_the_callers_transaction_keeps_its_durability() -> None:
+    default = server_default()
+    job_id = noop.enqueue(n=1).id
+    manager = Job.objects.with_synchronous_commit("off")
+    with commit_params() as seen, transaction.atomic():
+        (claimed,) = manager.claim(queue="default", limit=1, mode="transaction")
+        assert manager.complete(claimed.id, claimed.attempts) is True
+        # Same transaction, after both statements: still the server's value.
+        assert show() == default
+        assert show() != "off"
+    assert seen == [None, None]
+    assert job_row(job_id)["status"] == "done"
+    assert show() == default
+
+
+def test_the_default_manager_passes_none() -> None:
+    job_id = noop.enqueue(n=1).id
+    with commit_params() as seen:
+        (claimed,) = Job.objects.claim(queue="default", limit=1)
+        Job.objects.complete(claimed.id, claimed.attempts)
+    assert seen == [None, None]
+    assert job_row(job_id)["status"] == "done"
+
+
+def test_a_bad_value_is_refused_and_the_original_manager_is_unchanged() -> None:
+    with pytest.raises(InvalidJobOptions, match="'of'"):
+        Job.objects.with_synchronous_commit("of")
+    with pytest.raises(InvalidJobOptions, match="False"):
+        Job.objects.with_synchronous_commit(False)  # type: ignore[arg-type]
+    off = Job.objects.with_synchronous_commit("off")
+    assert isinstance(off, JobManager)
+    assert off is not Job.objects
+    # A copy: the model's manager still passes None; the copy, and its db_manager(), "off".
+    with commit_params() as seen:
+        Job.objects.claim(queue="default")
+        off.claim(queue="default")
+        off.db_manager("default").claim(queue="default")
+        off.with_synchronous_commit(None).claim(queue="default")
+    assert seen == [None, "off", "off", None]
+
+
+# -- the worker -----------------------------------------------------------------------
+
+
+def worker_commit(**kwargs: Any) -> Any:
+    """The synchronous_commit the worker's manager gives its claims and fenced writes.
+
+    Read from the manager the worker built, without running a statement: in lease mode its
+    statements may go on connections of the worker's own rather than Django's.
+    """
+    worker = Worker(**kwargs)
+    assert isinstance(worker.manager, JobManager)
+    return worker.manager._synchronous_commit
+
+
+def test_a_lease_mode_worker_uses_the_setting_off_by_default() -> None:
+    assert "WORKER_SYNCHRONOUS_COMMIT" not in settings.PGJOBS
+    assert worker_commit(mode="lease") == "off"
+    with override_settings(PGJOBS={**settings.PGJOBS, "WORKER_SYNCHRONOUS_COMMIT": None}):
+        assert worker_commit(mode="lease") is None
+    with override_settings(PGJOBS={**settings.PGJOBS, "WORKER_SYNCHRONOUS_COMMIT": "local"}):
+        assert worker_commit(mode="lease") == "local"
+
+
+def test_a_transaction_mode_worker_keeps_the_servers_setting() -> None:
+    assert worker_commit(mode="transaction") is None
+    for value in ("off", "local", None):
+        with override_settings(PGJOBS={**settings.PGJOBS, "WORKER_SYNCHRONOUS_COMMIT": value}):
+            assert worker_commit(mode="transaction") is None
+
+
+def test_a_lease_mode_worker_refuses_a_bad_setting() -> None:
+    with override_settings(
+        PGJOBS={**settings.PGJOBS, "WORKER_SYNCHRONOUS_COMMIT": "of"}
+    ), pytest.raises(InvalidJobOptions, match="'of'"):
+        Worker(mode="lease")
