@@ -86,6 +86,11 @@ def targets_table(targets: Sequence[Target]) -> str:
                  [False, False, False, False])
 
 
+def peer_names(runs: Runs) -> list[str]:
+    """The peers measured in this invocation (their runs are keyed ``peer.<name>.<w>``)."""
+    return sorted({key.split(".")[1] for key in runs if key.startswith("peer.")})
+
+
 def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> list[Row]:
     rows: list[Row] = []
 
@@ -149,6 +154,19 @@ def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> lis
         lambda r: r["done"])
     add("naive.max_attempts", "seed's naive claim: most claims of one job", "count", "naive",
         lambda r: r["max_attempts"])
+    for name in peer_names(runs):
+        source = f"peer.{name}."
+        add(f"{source}w1.jobs_per_s", f"peer {name}: W1 execute, concurrency 8", "jobs/s",
+            source + "w1", lambda r: r["jobs_per_s"])
+        add(f"{source}w1.worker_cpu", f"peer {name}: W1 worker CPU (net of start-up)",
+            "ms/job", source + "w1", lambda r: r.get("worker_cpu_net_ms_per_job"))
+        add(f"{source}w2_single.jobs_per_s", f"peer {name}: W2 single enqueue", "jobs/s",
+            source + "w2_single", lambda r: r["jobs_per_s"])
+        add(f"{source}w2_bulk.jobs_per_s", f"peer {name}: W2 bulk enqueue", "jobs/s",
+            source + "w2_bulk", lambda r: r["jobs_per_s"])
+        for q in ("p50", "p95", "p99"):
+            add(f"{source}w3.{q}_ms", f"peer {name}: W3 wake-up latency {q}", "ms",
+                source + "w3", lambda r, q=q: r[f"{q}_ms"])
     if rss is not None:
         for part in ("start", "peak", "end"):
             rows.append(Row(f"rss.{part}", f"worker RSS over {rss['jobs']:,} jobs: {part}",
@@ -175,10 +193,7 @@ def build_targets(rows: Sequence[Row], rss: dict[str, Any] | None,
                               share >= 0.5))
     else:
         targets.append(Target("W1 1x8 vs the SQL ceiling of this run", "-", ">= 50%", None))
-    targets.append(Target(
-        "W1 1x8 floor: 3x pgqueuer (issue's figure, not side by side)",
-        "-" if w1 is None else f"{w1:,.0f} jobs/s", ">= 6,000 jobs/s",
-        None if w1 is None else w1 >= 6000))
+    targets.append(versus_pgqueuer("W1 1x8", w1, get("peer.pgqueuer.w1.jobs_per_s"), 6000))
     cpu = get("w1_1x8.total_cpu")
     targets.append(Target(
         "W1 1x8 worker + PostgreSQL CPU per job",
@@ -190,11 +205,8 @@ def build_targets(rows: Sequence[Row], rss: dict[str, Any] | None,
         "W2 enqueue() time vs bare INSERT loop",
         "-" if ratio is None else f"{ratio:.2f}x ({single:,.0f} vs {bare:,.0f} jobs/s)",
         "<= 1.10x", None if ratio is None else ratio <= 1.10))
-    bulk = get("w2_bulk.jobs_per_s")
-    targets.append(Target(
-        "W2 enqueue_many(): 3x pgqueuer (issue's figure, not side by side)",
-        "-" if bulk is None else f"{bulk:,.0f} jobs/s", ">= 150,000 jobs/s",
-        None if bulk is None else bulk >= 150_000))
+    targets.append(versus_pgqueuer("W2 enqueue_many()", get("w2_bulk.jobs_per_s"),
+                                   get("peer.pgqueuer.w2_bulk.jobs_per_s"), 150_000))
     for q, goal in (("p50", 1.0), ("p99", 3.0)):
         value = get(f"w3.{q}_ms")
         targets.append(Target(f"W3 wake-up latency {q}",
@@ -218,6 +230,20 @@ def build_targets(rows: Sequence[Row], rss: dict[str, Any] | None,
     return targets
 
 
+def versus_pgqueuer(what: str, ours: float | None, theirs: float | None,
+                    issue_figure: float) -> Target:
+    """3x pgqueuer: side by side when BENCH_PEERS=1 measured it, else the issue's figure."""
+    if theirs is None:
+        return Target(f"{what} floor: 3x pgqueuer (issue's figure, not side by side)",
+                      "-" if ours is None else f"{ours:,.0f} jobs/s",
+                      f">= {issue_figure:,.0f} jobs/s",
+                      None if ours is None else ours >= issue_figure)
+    measured = "-" if ours is None else (
+        f"{ours / theirs:.2f}x ({ours:,.0f} vs {theirs:,.0f} jobs/s)")
+    return Target(f"{what} vs pgqueuer, side by side", measured, ">= 3x",
+                  None if ours is None else ours >= 3 * theirs)
+
+
 def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
     med = {row.key: row.median for row in rows}
     out = []
@@ -228,6 +254,14 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
          "claim_empty.claim_complete_ms"),
         ("W2 enqueue_many() / enqueue()", "w2_bulk.jobs_per_s", "w2_single.jobs_per_s"),
     )
+    for peer in sorted({key.split(".")[1] for key in med if key.startswith("peer.")}):
+        pairs += (
+            (f"W1 1x8 / {peer}", "w1_1x8.jobs_per_s", f"peer.{peer}.w1.jobs_per_s"),
+            (f"W2 enqueue() / {peer}", "w2_single.jobs_per_s",
+             f"peer.{peer}.w2_single.jobs_per_s"),
+            (f"W2 bulk / {peer}", "w2_bulk.jobs_per_s", f"peer.{peer}.w2_bulk.jobs_per_s"),
+            (f"W3 p50, {peer} / ours", f"peer.{peer}.w3.p50_ms", "w3.p50_ms"),
+        )
     for name, top, bottom in pairs:
         if top in med and bottom in med and med[bottom]:
             out.append((name, f"{med[top] / med[bottom]:.2f}x"))

@@ -123,6 +123,8 @@ def setup_django(bench_url: str, history_url: str) -> None:
 
 def headline(key: str, result: dict[str, Any]) -> str:
     """One short line per finished run of a workload, printed as the suite goes."""
+    if key.startswith("peer."):
+        key = key.rsplit(".", 1)[1]
     if key.startswith("w1") or key == "ceiling":
         return f"{result['jobs_per_s']:,.0f} jobs/s"
     if key.startswith("w2"):
@@ -153,8 +155,8 @@ def main(argv: list[str]) -> int:
         "worker_log_level": args.worker_log_level, "machine": machine(), "git": git_state(),
         "runs": {}, "rss": None,
     }
-    peers = os.environ.get("BENCH_PEERS") == "1"
-    out["peers"] = "requested but not implemented" if peers else "not requested"
+    peers_requested = os.environ.get("BENCH_PEERS") == "1"
+    out["peers"] = {} if peers_requested else "not requested (BENCH_PEERS=1 adds them)"
 
     print(f"django-pgjobs benchmark ({'quick' if args.quick else 'default'} sizes): "
           f"{sizes.runs} interleaved runs, {sizes.jobs:,} jobs per W1/W2 run")
@@ -164,11 +166,8 @@ def main(argv: list[str]) -> int:
     print(f"code: {git['commit'][:12]}"
           + (f" + uncommitted changes in django_pgjobs ({len(git['django_pgjobs_dirty'])} files)"
              if git["django_pgjobs_dirty"] else ""))
-    if peers:
-        print("BENCH_PEERS=1: peer runs (pgqueuer, procrastinate, django-tasks-db) are NOT "
-              "implemented yet; only django-pgjobs is measured.")
-
     bench = None
+    peers = None
     code = 0
     with db.Server(os.environ.get("BENCH_DATABASE_URL")) as server, \
             open(log_path, "w") as log:
@@ -187,7 +186,15 @@ def main(argv: list[str]) -> int:
             print("server settings: " + ", ".join(f"{k}={v}" for k, v in out["server"].items()))
             if bench.cpu is None:
                 print("PostgreSQL's processes are not on this machine: no PostgreSQL CPU figures")
-            code = run_suite(bench, sizes, args, out)
+            if peers_requested:
+                from benchmarks.peers import Peers
+
+                print("\nBENCH_PEERS=1: preparing the peers' virtualenvs ...", flush=True)
+                peers = Peers(server.url, sizes, log)
+                for name in peers.prepare():
+                    out["peers"][name] = peers.versions(name)
+                    print(f"  {name} {peers.version(name)}")
+            code = run_suite(bench, sizes, args, out, peers)
         except db.BenchAbort as exc:
             print(f"\nABORTED: {exc}", file=sys.stderr)
             out["aborted"] = str(exc)
@@ -196,6 +203,8 @@ def main(argv: list[str]) -> int:
             out["aborted"] = "".join(traceback.format_exception(exc))
             raise
         finally:
+            if peers is not None:
+                peers.close()
             if bench is not None:
                 bench.close()
             out["elapsed_s"] = time.monotonic() - began
@@ -207,7 +216,19 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def run_suite(bench: Any, sizes: Sizes, args: argparse.Namespace, out: dict[str, Any]) -> int:
+def peer_steps(peers: Any, names: list[str]) -> list[tuple[str, str, Callable[[], Any]]]:
+    """Each ready peer's W1, W2 and W3, run in the same interleaved rounds as ours."""
+    steps: list[tuple[str, str, Callable[[], Any]]] = []
+    for name in names:
+        for workload in ("w1", "w2_single", "w2_bulk", "w3"):
+            steps.append((workload[:2], f"peer.{name}.{workload}",
+                          lambda n=name, w=workload: getattr(peers, w)(n)))
+    return steps
+
+
+def run_suite(
+    bench: Any, sizes: Sizes, args: argparse.Namespace, out: dict[str, Any], peers: Any = None
+) -> int:
     skip = args.skip
     if "scale" not in skip:
         print(f"\nbuilding the history: {sizes.history_rows:,} done rows ...", flush=True)
@@ -233,6 +254,8 @@ def run_suite(bench: Any, sizes: Sizes, args: argparse.Namespace, out: dict[str,
     if bench.pgbench is None and "ceiling" not in skip:
         print("pgbench not found: the SQL ceiling is not measured")
         skip = skip | {"ceiling"}
+    if peers is not None:
+        plan += peer_steps(peers, list(out["peers"]))
     plan = [step for step in plan if step[0] not in skip]
     if "ceiling" not in skip:
         from benchmarks.workloads import ceiling_script
@@ -244,8 +267,10 @@ def run_suite(bench: Any, sizes: Sizes, args: argparse.Namespace, out: dict[str,
         for _section, key, step in plan:
             started = time.monotonic()
             result = step()
+            if result is None:  # a peer without that workload (no bulk enqueue)
+                continue
             runs.setdefault(key, []).append(result)
-            print(f"  {key:<15} {headline(key, result):<55} "
+            print(f"  {key:<30} {headline(key, result):<55} "
                   f"({time.monotonic() - started:.1f} s)", flush=True)
     if "rss" not in skip:
         print(f"\nlong run: {sizes.rss_jobs:,} jobs, worker RSS every second ...", flush=True)

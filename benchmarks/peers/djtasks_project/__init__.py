@@ -1,0 +1,1 @@
+"""A minimal Django project for the django-tasks-db peer: settings and the two tasks."""
