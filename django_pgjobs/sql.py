@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import psycopg
+from django.core.exceptions import ImproperlyConfigured
+from psycopg.errors import DuplicatePreparedStatement, InvalidSqlStatementName
 from psycopg.sql import SQL, Composed, Identifier
 
 if TYPE_CHECKING:
@@ -238,7 +240,17 @@ def run(
 ) -> list[tuple[Any, ...]]:
     """Execute one statement; return its rows (none for a statement without a result)."""
     if isinstance(connection, psycopg.Connection):
-        result = connection.execute(statement, params)
+        try:
+            result = connection.execute(statement, params)
+        except (InvalidSqlStatementName, DuplicatePreparedStatement) as exc:
+            # The prepared statement is gone, or is another's: a transaction-mode pooler
+            # handed this client a different server session.
+            raise ImproperlyConfigured(
+                f"Prepared statement error on the worker's connection ({exc}): the database "
+                "is probably behind a transaction-mode pooler without prepared-statement "
+                "support (PgBouncer before 1.21, or max_prepared_statements = 0). Set "
+                "PGJOBS['PREPARE'] = False."
+            ) from exc
         return result.fetchall() if result.description else []
     with connection.cursor() as cursor:
         cursor.execute(statement, params)

@@ -85,10 +85,17 @@ TASKS = {
 if django.VERSION < (6, 0):
     INSTALLED_APPS.append("django_tasks")  # the backport of django.tasks
 
-PGJOBS = {
+PGJOBS: dict[str, Any] = {
     "IMPORTS": ["testproject.testjobs"],
     "LISTEN_DATABASE": "listen",
 }
+# The levers of the worker's and the enqueue's speed, settable per process (tests behind
+# PgBouncer, the benchmark's comparisons): PGJOBS_PREPARE=false, PGJOBS_NOTIFY=inline, ...
+_WORDS = {"true": True, "false": False, "none": None}
+for _name in ("NOTIFY", "PREPARE", "WORKER_SYNCHRONOUS_COMMIT"):
+    if f"PGJOBS_{_name}" in os.environ:
+        _value = os.environ[f"PGJOBS_{_name}"]
+        PGJOBS[_name] = _WORDS.get(_value.lower(), _value)
 
 LOGGING = {
     "version": 1,

@@ -1,0 +1,112 @@
+"""A lease-mode worker's own psycopg connections (``worker.db.DirectConnections``): the claim
+and the fenced writes run there, prepared when ``PGJOBS["PREPARE"]``, one connection per
+thread, replaced when broken, and a pooler that loses prepared statements gets a clear error."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
+from psycopg import sql as pgsql
+
+from django_pgjobs.managers import JobManager
+from django_pgjobs.models import Job
+from django_pgjobs.worker.db import DirectConnections
+from testproject.testjobs import noop
+from tests.helpers import job_row, scalar
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def direct() -> Iterator[DirectConnections]:
+    conns = DirectConnections("default", prepare=True)
+    yield conns
+    conns.close()
+
+
+def prepared(conns: DirectConnections) -> list[str]:
+    rows = conns.get().execute("SELECT statement FROM pg_prepared_statements").fetchall()
+    return [row[0] for row in rows]
+
+
+def manager(conns: DirectConnections) -> JobManager:
+    return Job.objects.with_direct_connections(conns)
+
+
+def test_claim_and_complete_run_prepared_on_the_direct_connection(
+    direct: DirectConnections,
+) -> None:
+    created = noop.enqueue(n=1)
+    jobs = manager(direct).claim("default", limit=5)
+    assert [job.id for job in jobs] == [created.id]
+    assert manager(direct).complete_many(jobs) == {created.id}
+    assert job_row(created.id)["status"] == "done"
+    statements = prepared(direct)
+    assert any("FOR UPDATE SKIP LOCKED" in text for text in statements), statements
+    assert any("SET status = 'done'" in text for text in statements), statements
+    # Not on Django's connection: that one prepared nothing.
+    assert scalar("SELECT count(*) FROM pg_prepared_statements") == 0
+    assert direct.get().info.backend_pid != scalar("SELECT pg_backend_pid()")
+
+
+def test_without_prepare_nothing_is_prepared() -> None:
+    conns = DirectConnections("default", prepare=False)
+    try:
+        noop.enqueue(n=1)
+        jobs = manager(conns).claim("default", limit=5)
+        manager(conns).complete_many(jobs)
+        manager(conns).claim("default", limit=5)
+        assert len(jobs) == 1
+        assert prepared(conns) == []
+    finally:
+        conns.close()
+
+
+def test_each_thread_has_its_own_connection(direct: DirectConnections) -> None:
+    pids: list[int] = []
+
+    def other() -> None:
+        pids.append(direct.get().info.backend_pid)
+        direct.close()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    mine = direct.get().info.backend_pid
+    assert pids and pids[0] != mine
+    assert direct.get().info.backend_pid == mine  # kept between calls
+
+
+def test_a_broken_connection_is_replaced_on_the_next_get(direct: DirectConnections) -> None:
+    noop.enqueue(n=1)
+    first = direct.get()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [first.info.backend_pid])
+    with pytest.raises(psycopg.OperationalError):
+        manager(direct).claim("default", limit=1)
+    assert first.broken or first.closed
+    jobs = manager(direct).claim("default", limit=1)
+    assert len(jobs) == 1
+    assert direct.get() is not first
+
+
+def test_a_lost_prepared_statement_names_the_setting(direct: DirectConnections) -> None:
+    # What a transaction-mode pooler without prepared-statement support does: the next
+    # execution lands on a session that never saw the PREPARE.
+    noop.enqueue(n=1)
+    assert len(manager(direct).claim("default", limit=1)) == 1
+    # Behind psycopg's back (it notices a DEALLOCATE ALL, not one by name).
+    conn = direct.get()
+    names = [row[0] for row in conn.execute("SELECT name FROM pg_prepared_statements")]
+    assert names
+    for name in names:
+        conn.execute(pgsql.SQL("DEALLOCATE {}").format(pgsql.Identifier(name)), prepare=False)
+    noop.enqueue(n=2)
+    with pytest.raises(ImproperlyConfigured, match=r"PGJOBS\['PREPARE'\] = False"):
+        manager(direct).claim("default", limit=1)
+    assert Job.objects.filter(status="queued").count() == 1
