@@ -138,6 +138,9 @@ def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> lis
         lambda r: r["jobs_per_s"])
     for q in ("p50", "p95", "p99"):
         add(f"w3.{q}_ms", f"W3 wake-up latency {q}", "ms", "w3", lambda r, q=q: r[f"{q}_ms"])
+    for q in ("p50", "p95", "p99"):
+        add(f"w3_atomic.{q}_ms", f"W3 enqueued in atomic(), latency {q}", "ms", "w3_atomic",
+            lambda r, q=q: r[f"{q}_ms"])
     history = f"{history_rows:,} done rows"
     for source, name in (("claim_empty", "0 done rows"), ("claim_history", history)):
         add(f"{source}.claim_ms", f"Scale: claim(limit=10), {name}", "ms", source,

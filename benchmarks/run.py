@@ -131,7 +131,7 @@ def headline(key: str, result: dict[str, Any]) -> str:
         return f"{result['jobs_per_s']:,.0f} jobs/s"
     if key == "startup":
         return f"{result['wall_s']:.2f} s wall, {result['worker_cpu_s']:.2f} s CPU"
-    if key == "w3":
+    if key.startswith("w3"):
         return (f"p50 {result['p50_ms']:.2f} ms, p95 {result['p95_ms']:.2f}, "
                 f"p99 {result['p99_ms']:.2f}")
     if key.startswith("claim"):
@@ -244,6 +244,7 @@ def run_suite(
         ("w2", "w2_bare", bench.insert_bare),
         ("w2", "w2_bulk", bench.enqueue_bulk),
         ("w3", "w3", bench.wakeup),
+        ("w3", "w3_atomic", lambda: bench.wakeup(atomic=True)),
         ("scale", "claim_empty", lambda: bench.claim_latency(history=False)),
         ("scale", "claim_history", lambda: bench.claim_latency(history=True)),
         ("scale", "w1_1x8_history",

@@ -217,8 +217,14 @@ class Bench:
 
     # -- W3 ---------------------------------------------------------------------------------
 
-    def wakeup(self) -> dict[str, Any]:
-        """W3: an idle worker; jobs enqueued ``gap`` apart; commit -> job function start."""
+    def wakeup(self, *, atomic: bool = False) -> dict[str, Any]:
+        """W3: an idle worker; jobs enqueued ``gap`` apart; commit -> job function start.
+
+        By default each ``enqueue()`` runs in autocommit (its INSERT carries the NOTIFY) and
+        the clock starts when it returns, just after its commit: as the peers are measured.
+        With ``atomic`` it runs in ``atomic()`` and the clock starts in an ``on_commit`` hook
+        that runs before the one handing the NOTIFY to the background thread.
+        """
         sizes = self.sizes
         self._reset(False)
         self.admin.checkpoint()
@@ -234,7 +240,11 @@ class Bench:
                 delay = begin + seq * sizes.latency_gap - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-                self._enqueue_stamped(seq, str(out), committed)
+                if atomic:
+                    self._enqueue_stamped(seq, str(out), committed)
+                else:
+                    stamp.enqueue(seq=seq, out=str(out))
+                    committed[seq] = time.time()
             started = self._read_stamps(out, total)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -390,7 +400,8 @@ class Bench:
             "-D", "queue=default", "-D", f"limit={sizes.claim_batch}",
             "-D", "lease=300 seconds", "-D", "worker_id=pgbench",
             # The worker's own commit setting, so the ceiling is of the same transactions.
-            "-D", f"synchronous_commit={conf.worker_synchronous_commit() or 'on'}",
+            "-D", "synchronous_commit="
+            + (conf.worker_synchronous_commit() or self.admin.one("SHOW synchronous_commit")),
         )
         done, bad = self.admin.conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'done' AND attempts = 1), "
@@ -463,26 +474,24 @@ def ceiling_script() -> str:
     """A pgbench script of the project's own CLAIM and COMPLETE, read at run time.
 
     The claim runs inside a CTE that returns the claimed ids, attempts and claim times as
-    arrays (``\\gset`` takes one row); the complete passes them back as its parallel arrays.
-    A no-op job has no result: ``results`` is NULL (unnest pads it with NULLs).
+    one JSON array (``\\gset`` takes one row); the complete takes it back as its ``claims``.
+    A no-op job has no result: the objects carry none.
     """
     claim_params = set(pgbench_params(sql.CLAIM))
     complete_params = set(pgbench_params(sql.COMPLETE))
     known_claim = {"queue", "limit", "lease", "worker_id", "synchronous_commit"}
-    known_complete = {"ids", "attempts", "claimed_at", "results", "synchronous_commit"}
+    known_complete = {"claims", "synchronous_commit"}
     if not claim_params <= known_claim or not complete_params <= known_complete:
         raise BenchAbort(
             "sql.CLAIM/COMPLETE take parameters this script does not know: "
             f"{sorted((claim_params - known_claim) | (complete_params - known_complete))}"
         )
     claim = re.sub(r"%\((\w+)\)s", r":\1", sql.CLAIM.strip().rstrip(";"))
-    complete = sql.COMPLETE.strip().rstrip(";").replace("%(results)s", "NULL")
-    complete = re.sub(r"%\((\w+)\)s", r":\1", complete)
+    complete = re.sub(r"%\((\w+)\)s", r":\1", sql.COMPLETE.strip().rstrip(";"))
     return (
         f"WITH claimed AS (\n{claim}\n)\n"
-        "SELECT coalesce(array_agg(id), '{}') AS ids,\n"
-        "       coalesce(array_agg(attempts), '{}') AS attempts,\n"
-        "       coalesce(array_agg(attempted_at), '{}') AS claimed_at\n"
+        "SELECT coalesce(jsonb_agg(jsonb_build_object(\n"
+        "         'id', id, 'attempts', attempts, 'claimed_at', attempted_at)), '[]') AS claims\n"
         "FROM claimed \\gset\n"
         f"{complete};\n"
     )

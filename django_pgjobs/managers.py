@@ -285,10 +285,11 @@ class JobManager(models.Manager["Job"]):
         if not texts:
             return [], fields
         connection = self.connection()
-        # In autocommit the INSERT is the whole transaction: it sends its own NOTIFY.
-        here = (
-            conf.get("NOTIFY") == "auto"
-            and connection.get_autocommit() and not connection.in_atomic_block
+        # Outside atomic() the INSERT sends its own NOTIFY: in autocommit it is the whole
+        # transaction ("auto"); under manual transaction management (set_autocommit(False))
+        # Django has no on_commit, and PostgreSQL delivers it when the caller commits.
+        here = not connection.in_atomic_block and (
+            conf.get("NOTIFY") == "auto" or not connection.get_autocommit()
         )
         params = {**fields, "run_at": when, "delay": wait,
                   "notify_channel": conf.channel() if here else None}
@@ -377,8 +378,20 @@ class JobManager(models.Manager["Job"]):
         """
         claims = _claims(jobs)
         results = results or {}
-        texts = [validation.result(results.get(job_id)) for job_id in claims["ids"]]
-        return self._fenced("complete", sql.COMPLETE, claims, results=texts)
+        items = []
+        for job_id, attempts, claimed_at in zip(
+            claims["ids"], claims["attempts"], claims["claimed_at"], strict=True
+        ):
+            text = validation.result(results.get(job_id))
+            items.append(
+                f'{{"id":{job_id},"attempts":{attempts}'
+                + ("" if claimed_at is None else f',"claimed_at":"{claimed_at.isoformat()}"')
+                + ("" if text is None else f',"result":{text}')
+                + "}"
+            )
+        return self._fenced(
+            "complete", sql.COMPLETE, claims, fenced_params={"claims": f"[{','.join(items)}]"}
+        )
 
     def fail(
         self,
@@ -462,12 +475,15 @@ class JobManager(models.Manager["Job"]):
         return self._fenced("release", sql.RELEASE, _claims(jobs))
 
     def _fenced(
-        self, action: str, statement: Any, claims: dict[str, list[Any]], **extra: Any
+        self, action: str, statement: Any, claims: dict[str, list[Any]],
+        fenced_params: dict[str, Any] | None = None, **extra: Any,
     ) -> set[int]:
+        """Run a fenced write; ``fenced_params`` replaces the claims' arrays as parameters."""
         if not claims["ids"]:
             return set()
         connection, commit = self._hot()
-        rows = sql.run(connection, statement, {**claims, **extra, "synchronous_commit": commit})
+        params = fenced_params if fenced_params is not None else claims
+        rows = sql.run(connection, statement, {**params, **extra, "synchronous_commit": commit})
         changed = {row[0] for row in rows}
         self._warn_fenced(action, claims["ids"], claims["attempts"], changed)
         return changed

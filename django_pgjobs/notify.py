@@ -1,19 +1,22 @@
-"""NOTIFY after commit: a hint to listening workers that a queue has work.
+"""NOTIFY: a hint to listening workers that a queue has work, sent only once it is visible.
 
-The payload is the queue name, never the job. An enqueue registers an ``on_commit`` hook,
-once per queue per transaction, so a rolled-back enqueue sends nothing and a worker is never
-woken for a row it cannot see yet. What the hook does depends on ``PGJOBS["NOTIFY"]``:
+The payload is the queue name, never the job. ``PGJOBS["NOTIFY"]`` picks how it is sent:
 
-- ``"background"`` (the default): it hands the queue to this process's ``Notifier`` thread,
-  which sends the NOTIFY on its own connection. The caller's enqueue costs one statement and
-  one commit, and under heavy enqueue the thread sends one NOTIFY for everything committed
-  while it was busy: NOTIFYing transactions serialize on a database-wide lock at commit, so
-  fewer of them is what lets many enqueuers commit in parallel.
-- ``"inline"``: it sends the NOTIFY at once on the caller's connection, a second short
-  transaction after the caller's commit.
+- ``"auto"`` (the default). Outside ``atomic()`` the enqueue's own INSERT calls ``pg_notify``
+  (``sql.ENQUEUE_ONE`` / ``sql.ENQUEUE``): one statement, one commit, and PostgreSQL delivers
+  the notification only when that transaction commits (never on rollback, once per channel
+  and payload per transaction). A NOTIFY the server refuses then refuses the INSERT with it.
+  Inside ``atomic()`` the enqueue registers an ``on_commit`` hook, once per queue per
+  transaction, which hands the queue to this process's ``Notifier`` thread: the caller's
+  commit does not take the database-wide lock that NOTIFYing transactions serialize on at
+  commit, and under heavy enqueue the thread sends one NOTIFY for everything committed while
+  it was busy.
+- ``"background"``: the hook and the thread, in autocommit too.
+- ``"inline"``: the hook sends the NOTIFY on the caller's own connection right after the
+  commit (for servers without threads, such as uWSGI without ``enable-threads``).
 
-Either way a NOTIFY that fails is logged, not raised: the job is already safe in the table
-and the worker's poll will find it.
+A NOTIFY sent after the commit that fails is logged, not raised: the job is already safe in
+the table and the worker's poll will find it.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -110,3 +111,22 @@ def test_a_lost_prepared_statement_names_the_setting(direct: DirectConnections) 
     with pytest.raises(ImproperlyConfigured, match=r"PGJOBS\['PREPARE'\] = False"):
         manager(direct).claim("default", limit=1)
     assert Job.objects.filter(status="queued").count() == 1
+
+
+def test_the_aliases_own_prepare_threshold_is_kept(settings: Any) -> None:
+    options = settings.DATABASES["default"].get("OPTIONS", {})
+    settings.DATABASES["default"]["OPTIONS"] = {**options, "prepare_threshold": None}
+    kept = DirectConnections("default", prepare=True)
+    refused = DirectConnections("default", prepare=False)
+    try:
+        assert kept.get().prepare_threshold is None
+        assert refused.get().prepare_threshold is None
+    finally:
+        kept.close()
+        refused.close()
+        settings.DATABASES["default"]["OPTIONS"] = options
+    plain = DirectConnections("default", prepare=True)
+    try:
+        assert plain.get().prepare_threshold == 0
+    finally:
+        plain.close()

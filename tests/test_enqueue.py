@@ -562,3 +562,25 @@ class EnqueueManyPayloadTests(TestCase):
         for payload in self.PAYLOADS:
             (job_id,) = Job.objects.enqueue_many(noop, [payload])
             assert job_row(job_id)["payload"] == payload
+
+
+class ManualTransactionTests(TransactionTestCase):
+    """Under set_autocommit(False) Django has no on_commit: the INSERT sends its NOTIFY."""
+
+    def test_enqueue_in_a_manual_transaction_notifies_at_its_commit_only(self) -> None:
+        for mode in ("auto", "background", "inline"):
+            with self.subTest(mode=mode), override_settings(PGJOBS={"NOTIFY": mode}), \
+                    listening() as listener:
+                transaction.set_autocommit(False)
+                try:
+                    created = noop.enqueue(n=1)
+                    assert listener.quiet() == []
+                    transaction.commit()
+                    assert listener.receive(1) == ["default"]
+                    noop.enqueue(n=2)
+                    transaction.rollback()
+                    assert listener.quiet() == []
+                finally:
+                    transaction.set_autocommit(True)
+                assert job_row(created.id)["status"] == "queued"
+        assert Job.objects.count() == 3

@@ -1,9 +1,10 @@
 """The enqueues' NOTIFY, as a real LISTEN on a second connection receives it.
 
-``PGJOBS["NOTIFY"] = "background"`` (the default): the process's ``Notifier`` thread sends it
-on a connection of its own (``application_name`` ``pgjobs-notifier``), coalescing what was
-requested while it was busy, closing that connection when idle, flushing at exit and starting
-afresh in a forked child. ``"inline"``: the caller's connection sends it right after commit.
+``PGJOBS["NOTIFY"] = "background"`` (and the default "auto" after an ``atomic()`` block): the
+process's ``Notifier`` thread sends it on a connection of its own (``application_name``
+``pgjobs-notifier``), coalescing what was requested while it was busy, closing that
+connection when idle, flushing at exit and starting afresh in a forked child. ``"inline"``:
+the caller's connection sends it right after commit.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ caller's own ``atomic()``."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -65,7 +66,7 @@ def running_job() -> int:
 
 def complete_params(job_id: int, synchronous_commit: str | None) -> dict[str, Any]:
     return {
-        "ids": [job_id], "attempts": [1], "claimed_at": [None], "results": [None],
+        "claims": json.dumps([{"id": job_id, "attempts": 1}]),
         "synchronous_commit": synchronous_commit,
     }
 

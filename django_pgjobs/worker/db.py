@@ -107,7 +107,12 @@ class DirectConnections:
 
     def __init__(self, alias: str, *, prepare: bool) -> None:
         self.params = connection_params(alias)
-        self.prepare = prepare
+        # The alias's own OPTIONS["prepare_threshold"] is kept (None there means "never");
+        # otherwise prepare at the first execution.
+        options = connections[alias].settings_dict.get("OPTIONS", {})
+        self.params.pop("prepare_threshold", None)
+        threshold = options.get("prepare_threshold", 0)
+        self.prepare_threshold = threshold if prepare else None
         self._local = threading.local()
 
     def get(self) -> psycopg.Connection[Any]:
@@ -116,7 +121,7 @@ class DirectConnections:
             if conn is not None:
                 conn.close()
             conn = psycopg.connect(
-                **self.params, autocommit=True, prepare_threshold=0 if self.prepare else None
+                **self.params, autocommit=True, prepare_threshold=self.prepare_threshold
             )
             self._local.conn = conn
         return conn

@@ -134,7 +134,8 @@ class Executor(threading.Thread):
         ctx = context(job)
         self.completer.track(job, ctx)
         try:
-            tidy()
+            # No tidy() first: the previous job's tidy() (or reset_all()) left this thread's
+            # connections usable, and a new thread has none yet.
             outcome = call(job, ctx)
         finally:
             self.completer.untrack(job)

@@ -33,7 +33,7 @@ class WorkerStats:
         return self.done + self.retried + self.failed + self.lost
 
     def add(self, name: str, count: int = 1) -> None:
-        if name not in COUNTERS.values():
+        if name not in _COUNTER_NAMES:
             raise ValueError(f"no counter {name!r}")
         with self._lock:
             setattr(self, name, getattr(self, name) + count)
@@ -52,6 +52,7 @@ COUNTERS = {
     "done": "done", "retry": "retried", "failed": "failed", "lost": "lost",
     "claimed": "claimed", "released": "released", "reaped": "reaped",
 }
+_COUNTER_NAMES = frozenset(COUNTERS.values())
 
 
 def finished(
@@ -68,6 +69,11 @@ def log_outcome(
     job: ClaimedJob, outcome: str, duration: float, worker_id: str, error: str | None = None
 ) -> None:
     """The one line per finished job: id, task, attempt, outcome, duration."""
+    level = logging.INFO if error is None else (
+        logging.ERROR if outcome in ("failed", "lost") else logging.WARNING
+    )
+    if not logger.isEnabledFor(level):
+        return  # the common case under load at WARNING: build nothing
     extra = {
         "action": outcome,
         "job_id": job.id,
@@ -83,5 +89,4 @@ def log_outcome(
         logger.info(message, *args, extra=extra)
         return
     last_line = error.strip().splitlines()[-1] if error.strip() else "error"
-    level = logging.ERROR if outcome in ("failed", "lost") else logging.WARNING
     logger.log(level, message + ": %s", *args, last_line, extra=extra)

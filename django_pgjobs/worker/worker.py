@@ -270,10 +270,11 @@ class Worker:
             self._inflight -= 1
         self._wake.set()
 
-    def _hand_out(self, item: ClaimedJob | Ticket) -> None:
+    def _hand_out(self, *items: ClaimedJob | Ticket) -> None:
         with self._lock:
-            self._inflight += 1
-        self._handoff.put(item)
+            self._inflight += len(items)
+        for item in items:
+            self._handoff.put(item)
 
     def _dispatch(self, wanted: int) -> int:
         """Claim up to ``wanted`` jobs across our queues (round robin); hand them out."""
@@ -284,8 +285,7 @@ class Worker:
                 jobs = self.manager.claim(
                     queue_name, limit=wanted - got, lease=self.lease, worker_id=self.worker_id
                 )
-                for job in jobs:
-                    self._hand_out(job)
+                self._hand_out(*jobs)
                 found = len(jobs)
             else:
                 found = self._dispatch_tickets(queue_name, wanted - got)
