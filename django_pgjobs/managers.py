@@ -110,7 +110,7 @@ _LIST_COLUMNS = frozenset({"errors", "worker_ids"})
 
 
 def _timestamp(text: str) -> datetime:
-    """A timestamp the enqueue returned as ISO 8601 JSON text, as Django would load it."""
+    """A timestamp the enqueue returned as ISO 8601 text in UTC, as Django would load it."""
     value = datetime.fromisoformat(text)
     if not django_settings.USE_TZ:
         return timezone.make_naive(value)

@@ -104,13 +104,15 @@ class Notifier:
     def __init__(self, idle: float = 10.0) -> None:
         self.idle = idle
         self._reset()
-        os.register_at_fork(after_in_child=self._forked)
+        os.register_at_fork(after_in_child=self._reset)
         atexit.register(self.shutdown)
+        # A multiprocessing child ends with os._exit, which skips atexit, and clears the
+        # finalizers it inherited: register the flush again once it has started.
+        multiprocessing.util.register_after_fork(self, Notifier._flush_at_child_exit)
 
-    def _forked(self) -> None:
-        self._reset()
-        # A multiprocessing child ends with os._exit, which skips atexit: flush there too.
-        multiprocessing.util.Finalize(self, self.shutdown, exitpriority=0)
+    @staticmethod
+    def _flush_at_child_exit(notifier: Notifier) -> None:
+        multiprocessing.util.Finalize(notifier, notifier.shutdown, exitpriority=0)
 
     def _reset(self) -> None:
         # After a fork the thread is gone; its connections belong to the parent: forget them.

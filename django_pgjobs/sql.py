@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import psycopg
 from django.core.exceptions import ImproperlyConfigured
-from psycopg.errors import DuplicatePreparedStatement, InvalidSqlStatementName
+from psycopg.errors import (
+    DuplicatePreparedStatement,
+    InvalidSqlStatementName,
+    ProtocolViolation,
+)
 from psycopg.sql import SQL, Composed, Identifier
 
 if TYPE_CHECKING:
@@ -37,13 +41,16 @@ WHERE %(notify_channel)s::text IS NULL
    OR (SELECT pg_notify(%(notify_channel)s, %(queue)s)) IS NOT NULL"""
 
 # One job: enqueue() is the hot path, and a FROM-less SELECT plans faster than unnest. The
-# times come back as JSON text (always ISO 8601, whatever the DateStyle): cheaper to read.
+# times come back as fixed-width ISO 8601 text in UTC (whatever the DateStyle or TimeZone):
+# cheaper to read than timestamptz through Django's loader, and exact to the microsecond.
 ENQUEUE_ONE: LiteralString = """
 INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
 SELECT %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s,
        coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0'))
 """ + _NOTIFY_HERE + """
-RETURNING id, to_json(run_at) #>> '{}', to_json(created_at) #>> '{}'
+RETURNING id,
+  to_char(run_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'),
+  to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
 """
 
 # One INSERT for any number of jobs. The payloads arrive as one JSON array (one parameter,
@@ -103,8 +110,8 @@ RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts, j.attemp
 """  # noqa: S608 (literals joined; nothing is interpolated)
 
 # The worker's most frequent write. The claims arrive as one JSON array of objects (id,
-# attempts, claimed_at, result): one parameter the client writes with the C JSON encoder and
-# the server parses once, instead of four arrays dumped element by element.
+# attempts, claimed_at, result): one text parameter the server parses once, instead of four
+# arrays that psycopg dumps element by element in Python.
 COMPLETE: LiteralString = """
 UPDATE pgjobs_job j
 SET status = 'done', locked_until = NULL, finished_at = now(), result = mine.result
@@ -244,9 +251,11 @@ def run(
     if isinstance(connection, psycopg.Connection):
         try:
             result = connection.execute(statement, params)
-        except (InvalidSqlStatementName, DuplicatePreparedStatement) as exc:
-            # The prepared statement is gone, or is another's: a transaction-mode pooler
-            # handed this client a different server session.
+        except (InvalidSqlStatementName, DuplicatePreparedStatement, ProtocolViolation) as exc:
+            # The prepared statement is gone, or is another's ("bind message supplies N
+            # parameters"): a transaction-mode pooler handed this client another session.
+            if isinstance(exc, ProtocolViolation) and "bind message" not in str(exc):
+                raise
             raise ImproperlyConfigured(
                 f"Prepared statement error on the worker's connection ({exc}): the database "
                 "is probably behind a transaction-mode pooler without prepared-statement "

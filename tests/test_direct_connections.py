@@ -130,3 +130,30 @@ def test_the_aliases_own_prepare_threshold_is_kept(settings: Any) -> None:
         assert plain.get().prepare_threshold == 0
     finally:
         plain.close()
+
+
+def test_an_alias_that_disables_server_side_cursors_prepares_nothing(settings: Any) -> None:
+    # Django asks this of an alias behind a transaction-mode pooler.
+    settings.DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+    conns = DirectConnections("default", prepare=True)
+    try:
+        noop.enqueue(n=1)
+        assert len(manager(conns).claim("default", limit=1)) == 1
+        assert prepared(conns) == []
+    finally:
+        conns.close()
+        del settings.DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"]
+
+
+def test_another_statement_under_our_name_names_the_setting(direct: DirectConnections) -> None:
+    # A pooler's session where another client prepared a statement of the same name.
+    noop.enqueue(n=1)
+    assert len(manager(direct).claim("default", limit=1)) == 1
+    conn = direct.get()
+    for (name,) in conn.execute("SELECT name FROM pg_prepared_statements").fetchall():
+        conn.execute(pgsql.SQL("DEALLOCATE {}").format(pgsql.Identifier(name)), prepare=False)
+        conn.execute(
+            pgsql.SQL("PREPARE {} AS SELECT 1").format(pgsql.Identifier(name)), prepare=False
+        )
+    with pytest.raises(ImproperlyConfigured, match=r"PGJOBS\['PREPARE'\] = False"):
+        manager(direct).claim("default", limit=1)

@@ -252,12 +252,9 @@ def _child_enqueues(queue: str) -> None:
     # the parent's (closing an inherited open one would end the parent's session too).
     connections.close_all()
     try:
+        # Returns at once: the thread is still connecting. multiprocessing ends the child
+        # with os._exit() (no atexit); the notifier's own finalizer must send it first.
         Job.objects.enqueue(noop, {"from": "child"}, queue=queue)
-        # multiprocessing ends a forked child with os._exit(): no atexit flush, so wait here.
-        if not notifier.flush(10):
-            os._exit(3)
-        if notifier._thread is not None and not notifier._thread.is_alive():
-            os._exit(4)
     finally:
         connections.close_all()
 

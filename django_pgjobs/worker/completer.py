@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from django_pgjobs.context import JobContext
@@ -113,6 +114,8 @@ class Completer(threading.Thread):
                 try:
                     try:
                         self._write(batch)
+                    except ImproperlyConfigured:
+                        raise  # no write can succeed: stop, and the worker with us
                     except Exception as exc:
                         if unavailable(exc):
                             raise
@@ -125,9 +128,18 @@ class Completer(threading.Thread):
                         self._write_each(batch)
                     self._heartbeat()
                     backoff.succeeded(self.manager.db_alias)
+                except ImproperlyConfigured:
+                    logger.exception(
+                        "completer stopped; %s outcomes not recorded (their leases will expire)",
+                        len(batch), extra={"action": "complete"},
+                    )
+                    return
                 except Exception as exc:
                     if not unavailable(exc):
                         logger.exception("completer error", extra={"action": "complete"})
+                    # A fresh direct connection at the next try (a read-only or restarted
+                    # server leaves the old one open but useless).
+                    self.manager.close_direct_connection()
                     with self._cond:
                         self._pending[:0] = batch
                     if self._give_up.is_set():
@@ -147,6 +159,8 @@ class Completer(threading.Thread):
             outcome = batch[0]
             try:
                 self._write([outcome])
+            except ImproperlyConfigured:
+                raise
             except Exception as exc:
                 if unavailable(exc):
                     raise

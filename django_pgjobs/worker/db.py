@@ -101,17 +101,24 @@ class DirectConnections:
     a plain autocommit connection they skip Django's cursor wrappers, and with ``prepare``
     (``PGJOBS["PREPARE"]``) the server plans each once per connection instead of on every
     call. Behind a transaction-mode pooler without prepared-statement support (PgBouncer
-    before 1.21, or ``max_prepared_statements = 0``) set ``PREPARE`` to False. A broken
-    connection is replaced on the next ``get()``.
+    before 1.21, or ``max_prepared_statements = 0``) set ``PREPARE`` to False, or the
+    alias's ``DISABLE_SERVER_SIDE_CURSORS`` to True as Django asks of such an alias. A
+    broken connection is replaced on the next ``get()``; the worker closes one after an
+    outage, so a server that went read-only is not asked again on the same session.
     """
 
     def __init__(self, alias: str, *, prepare: bool) -> None:
         self.params = connection_params(alias)
         # The alias's own OPTIONS["prepare_threshold"] is kept (None there means "never");
         # otherwise prepare at the first execution.
-        options = connections[alias].settings_dict.get("OPTIONS", {})
+        settings_dict = connections[alias].settings_dict
+        options = settings_dict.get("OPTIONS", {})
         self.params.pop("prepare_threshold", None)
         threshold = options.get("prepare_threshold", 0)
+        # DISABLE_SERVER_SIDE_CURSORS is what Django asks of an alias behind a transaction
+        # pooler: such an alias gets no prepared statements either.
+        if settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+            prepare = False
         self.prepare_threshold = threshold if prepare else None
         self._local = threading.local()
 

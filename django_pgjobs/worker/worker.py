@@ -248,6 +248,7 @@ class Worker:
                 if not unavailable(exc):
                     raise
                 maybe_more = True
+                self.manager.close_direct_connection()
                 backoff.failed(self.database, exc, self.stopping)
                 continue
             if self._inflight == 0 and (
