@@ -227,3 +227,28 @@ def test_a_lease_mode_worker_refuses_a_bad_setting() -> None:
         PGJOBS={**settings.PGJOBS, "WORKER_SYNCHRONOUS_COMMIT": "of"}
     ), pytest.raises(InvalidJobOptions, match="'of'"):
         Worker(mode="lease")
+
+
+def test_off_really_skips_the_flush_at_commit() -> None:
+    # pg_stat_wal counts the server's WAL syncs (fdatasync): a synchronous commit waits for
+    # one, an asynchronous one leaves the flush to the WAL writer (every 200 ms by default).
+    if scalar("SHOW fsync") == "off":
+        pytest.skip("this server runs with fsync off: no commit waits for a WAL sync")
+
+    def syncs() -> int:
+        return int(scalar("SELECT wal_sync FROM pg_stat_wal"))
+
+    def completions(setting: str | None, count: int = 40) -> int:
+        ids = [running_job() for _ in range(count)]
+        before = syncs()
+        with raw_connect() as conn:
+            for job_id in ids:
+                params = {"claims": json.dumps([{"id": job_id, "attempts": 1}]),
+                          "synchronous_commit": setting}
+                assert conn.execute(sql.COMPLETE, params).fetchall() == [(job_id,)]
+        return syncs() - before
+
+    flushed = completions("on")
+    skipped = completions("off")
+    assert flushed >= 30, flushed
+    assert skipped <= flushed // 4, (skipped, flushed)
