@@ -30,14 +30,17 @@ def test_sigterm_stops_claiming_and_lets_running_jobs_finish(workers: Workers) -
     assert counts() == {"running": 2, "queued": 20}
 
     worker.send(signal.SIGTERM)
-    sent = time.monotonic()
     assert worker.wait(20) == 0
-    waited = time.monotonic() - sent
 
-    # It waited for the two jobs (3 s each, begun just before the signal) rather than
-    # abandoning them, and they are done, each on its first attempt.
-    assert waited > 1.5
+    # It waited for the two jobs rather than abandoning them: each ran its whole 3 s (from
+    # its claim to its completion on the database clock; how long after the claim the signal
+    # came depends on the machine), and they are done, each on its first attempt.
     assert ids_with("done") == started
+    shortest = query(
+        "SELECT min(extract(epoch FROM finished_at - attempted_at)) FROM pgjobs_job "
+        "WHERE status = 'done'"
+    )[0][0]
+    assert shortest >= 3.0, shortest
     assert counts() == {"done": 2, "queued": 20}
     assert query(
         "SELECT attempts, count(*) FROM pgjobs_job WHERE status = 'done' GROUP BY attempts"
