@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.core import checks
@@ -63,6 +63,26 @@ def backoff_errors(base: object, cap: object, where: str) -> list[checks.CheckMe
     return []
 
 
+class _Choice(NamedTuple):
+    """A setting that takes one of a few values."""
+
+    key: str
+    allowed: tuple[object, ...]
+    hint: str
+    id: str
+
+
+_CHOICES = (
+    _Choice(key="MODE", allowed=conf.MODES, hint="Use 'lease' (the default) or 'transaction'.",
+            id="pgjobs.E004"),
+    _Choice(key="PREPARE", allowed=(True, False),
+            hint="Use True (the default) or False (behind a transaction-mode pooler without "
+            "prepared-statement support).", id="pgjobs.E013"),
+    _Choice(key="NOTIFY", allowed=conf.NOTIFY_MODES,
+            hint="Use 'auto' (the default), 'background' or 'inline'.", id="pgjobs.E012"),
+)
+
+
 def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
     raw = conf.raw()
     if not isinstance(raw, dict):
@@ -98,31 +118,13 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         if error:
             errors.append(error)
     errors.extend(backoff_errors(conf.get("BACKOFF_BASE"), conf.get("BACKOFF_MAX"), "PGJOBS"))
-    if conf.get("MODE") not in conf.MODES:
-        errors.append(
-            checks.Error(
-                f"PGJOBS['MODE'] is {conf.get('MODE')!r}.",
-                hint="Use 'lease' (the default) or 'transaction'.",
-                id="pgjobs.E004",
-            )
-        )
-    if not isinstance(conf.get("PREPARE"), bool):
-        errors.append(
-            checks.Error(
-                f"PGJOBS['PREPARE'] is {conf.get('PREPARE')!r}.",
-                hint="Use True (the default) or False (behind a transaction-mode pooler "
-                "without prepared-statement support).",
-                id="pgjobs.E013",
-            )
-        )
-    if conf.get("NOTIFY") not in conf.NOTIFY_MODES:
-        errors.append(
-            checks.Error(
-                f"PGJOBS['NOTIFY'] is {conf.get('NOTIFY')!r}.",
-                hint="Use 'auto' (the default), 'background' or 'inline'.",
-                id="pgjobs.E012",
-            )
-        )
+    for choice in _CHOICES:
+        value = conf.get(choice.key)
+        # The type too: 1 == True, but PREPARE = 1 is a mistake worth naming.
+        if not any(value == a and type(value) is type(a) for a in choice.allowed):
+            errors.append(checks.Error(
+                f"PGJOBS[{choice.key!r}] is {value!r}.", hint=choice.hint, id=choice.id
+            ))
     try:
         validation.synchronous_commit(conf.get("WORKER_SYNCHRONOUS_COMMIT"))
     except InvalidJobOptions as exc:

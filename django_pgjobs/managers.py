@@ -104,11 +104,6 @@ def _clean_error(error: str) -> str:
 Claim = ClaimedJob | tuple[int, int] | tuple[int, int, datetime | None]
 
 
-# The new row's list columns (their default is an empty list); every other column that
-# enqueue() does not set is NULL.
-_LIST_COLUMNS = frozenset({"errors", "worker_ids"})
-
-
 def _timestamp(text: str) -> datetime:
     """A timestamp the enqueue returned as ISO 8601 text in UTC, as Django would load it."""
     value = datetime.fromisoformat(text)
@@ -226,14 +221,13 @@ class JobManager(models.Manager["Job"]):
             "created_at": _timestamp(created_at), "attempts": 0, "status": "queued", **fields,
         }
         # Every column in order, as a row read back (from_db): Django's positional fast path.
+        # The columns enqueue() does not set hold their defaults (NULL, or an empty list).
+        columns = self.model._meta.concrete_fields
         values = [
-            known[name] if name in known else [] if name in _LIST_COLUMNS else None
-            for name in self._column_names()
+            known[field.attname] if field.attname in known else field.get_default()
+            for field in columns
         ]
-        return self.model.from_db(self.db_alias, self._column_names(), values)
-
-    def _column_names(self) -> list[str]:
-        return [field.attname for field in self.model._meta.concrete_fields]
+        return self.model.from_db(self.db_alias, [field.attname for field in columns], values)
 
     def enqueue_many(
         self,
@@ -389,9 +383,10 @@ class JobManager(models.Manager["Job"]):
                 + ("" if text is None else f',"result":{text}')
                 + "}"
             )
-        return self._fenced(
-            "complete", sql.COMPLETE, claims, fenced_params={"claims": f"[{','.join(items)}]"}
+        rows = self._fenced(
+            "complete", sql.COMPLETE, claims, {"claims": f"[{','.join(items)}]"}
         )
+        return {row[0] for row in rows}
 
     def fail(
         self,
@@ -429,24 +424,17 @@ class JobManager(models.Manager["Job"]):
             claim: Claim = item[0] if isinstance(item[0], ClaimedJob) else (item[0], item[1])
             claims.append(claim)
             errors[_claim(claim)[0]] = Failure.of(item[-1])
-        params: dict[str, Any] = _claims(claims)
-        ids, attempts = params["ids"], params["attempts"]
-        if not ids:
-            return {}
-        failures = [errors[job_id] for job_id in ids]
+        fenced = _claims(claims)
+        failures = [errors[job_id] for job_id in fenced["ids"]]
         default = conf.backoff()
-        delays = [(backoff or {}).get(job_id, default) for job_id in ids]
-        params |= {
+        delays = [(backoff or {}).get(job_id, default) for job_id in fenced["ids"]]
+        rows = self._fenced("fail", sql.FAIL, fenced, fenced | {
             "errors": [_clean_error(f.traceback) for f in failures],
             "error_classes": [f.exception_class_path for f in failures],
             "bases": [float(base) for base, _cap in delays],
             "caps": [float(cap) for _base, cap in delays],
-        }
-        connection, params["synchronous_commit"] = self._hot()
-        rows = sql.run(connection, sql.FAIL, params)
-        result = {row[0]: row[1] for row in rows}
-        self._warn_fenced("fail", ids, attempts, set(result))
-        return result
+        })
+        return {row[0]: row[1] for row in rows}
 
     def extend_lease(
         self, job_id: int, attempts: int, lease: timedelta | float | None = None
@@ -458,7 +446,9 @@ class JobManager(models.Manager["Job"]):
         self, jobs: Iterable[Claim], lease: timedelta | float | None = None
     ) -> set[int]:
         lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
-        return self._fenced("extend_lease", sql.EXTEND_LEASE, _claims(jobs), lease=lease_td)
+        claims = _claims(jobs)
+        rows = self._fenced("extend_lease", sql.EXTEND_LEASE, claims, claims | {"lease": lease_td})
+        return {row[0] for row in rows}
 
     def release(
         self, job_id: int, attempts: int, claimed_at: datetime | None = None
@@ -472,33 +462,30 @@ class JobManager(models.Manager["Job"]):
 
     def release_many(self, jobs: Iterable[Claim]) -> set[int]:
         """Release claims (``ClaimedJob`` or ``(id, attempts[, claimed_at])``) at once."""
-        return self._fenced("release", sql.RELEASE, _claims(jobs))
+        claims = _claims(jobs)
+        return {row[0] for row in self._fenced("release", sql.RELEASE, claims, claims)}
 
     def _fenced(
         self, action: str, statement: Any, claims: dict[str, list[Any]],
-        fenced_params: dict[str, Any] | None = None, **extra: Any,
-    ) -> set[int]:
-        """Run a fenced write; ``fenced_params`` replaces the claims' arrays as parameters."""
-        if not claims["ids"]:
-            return set()
-        connection, commit = self._hot()
-        params = fenced_params if fenced_params is not None else claims
-        rows = sql.run(connection, statement, {**params, **extra, "synchronous_commit": commit})
-        changed = {row[0] for row in rows}
-        self._warn_fenced(action, claims["ids"], claims["attempts"], changed)
-        return changed
+        params: dict[str, Any],
+    ) -> list[tuple[Any, ...]]:
+        """Run one fenced write of ``claims`` with ``params``; return its rows (id first).
 
-    @staticmethod
-    def _warn_fenced(
-        action: str, ids: list[int], attempts: list[int], changed: set[int]
-    ) -> None:
-        for job_id, attempt in zip(ids, attempts, strict=True):
+        Each claim the statement did not change is logged: the job is no longer ours.
+        """
+        if not claims["ids"]:
+            return []
+        connection, commit = self._hot()
+        rows = sql.run(connection, statement, params | {"synchronous_commit": commit})
+        changed = {row[0] for row in rows}
+        for job_id, attempt in zip(claims["ids"], claims["attempts"], strict=True):
             if job_id not in changed:
                 logger.warning(
                     "%s of job %s (attempt %s) changed nothing: the job is no longer ours",
                     action, job_id, attempt,
                     extra={"action": action, "job_id": job_id, "attempts": attempt},
                 )
+        return rows
 
     def seconds_until_due(self, queues: Sequence[str]) -> float | None:
         """Seconds until the earliest job of ``queues`` that is not yet due becomes due."""
