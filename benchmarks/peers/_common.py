@@ -58,6 +58,15 @@ def worker_env(dsn: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def install(command: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
+    """Run a peer's schema installer; its output goes to the log (stderr)."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    sys.stderr.write(done.stdout + done.stderr)
+    if done.returncode:
+        raise RunInvalid(f"{what} exited with {done.returncode}")
+    return {"installed": True}
+
+
 def spawn(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start a worker; its output goes to the driver's stderr (the suite's worker log)."""
     print(f"$ {' '.join(command)}", file=sys.stderr, flush=True)

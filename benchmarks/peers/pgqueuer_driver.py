@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
+import os
 import sys
 import time
 from importlib.metadata import version
@@ -23,6 +23,7 @@ from _common import (
     Reaper,
     RunInvalid,
     empty_run_cpu,
+    install,
     main_guard,
     parser,
     rate,
@@ -173,11 +174,7 @@ def w3(args: Any) -> dict[str, Any]:
 
 def setup(args: Any) -> dict[str, Any]:
     command = [sys.executable, "-m", "pgqueuer", "--pg-dsn", args.dsn, "install"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    sys.stderr.write(done.stdout + done.stderr)
-    if done.returncode:
-        raise RunInvalid(f"pgqueuer install exited with {done.returncode}")
-    return {"installed": True}
+    return install(command, dict(os.environ), "pgqueuer install")
 
 
 def main() -> None:

@@ -12,9 +12,9 @@ as a Django or other sync caller would. See README.md beside this file.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
@@ -23,6 +23,7 @@ from _common import (
     Reaper,
     RunInvalid,
     empty_run_cpu,
+    install,
     main_guard,
     parser,
     rate,
@@ -116,7 +117,8 @@ def w1(args: Any) -> dict[str, Any]:
                      empty_cpu_s=empty_cpu, mode="--one-shot")
 
 
-def w2_single(args: Any) -> dict[str, Any]:
+def _timed_enqueue(args: Any, what: str, enqueue: Callable[[Any, int], int]) -> float:
+    """Seconds ``enqueue(noop task, n)`` takes to add ``n`` jobs (checked queued after)."""
     n = args.jobs
     app = app_for(args.dsn)
     db = Db(args.dsn)
@@ -127,37 +129,31 @@ def w2_single(args: Any) -> dict[str, Any]:
             noop.defer(n=-1)  # opens the pool's connection outside the timing
             db.reset()
             started = time.perf_counter()
-            for i in range(n):
-                noop.defer(n=i)
+            added = enqueue(noop, n)
             seconds = time.perf_counter() - started
-        db.check_queued(n, "W2 single")
+        if added != n:
+            raise RunInvalid(f"{what}: {added} jobs added, expected {n}")
+        db.check_queued(n, what)
         db.reset()
     finally:
         db.close()
-    return rate(n, seconds, api="task.defer(**kwargs), app opened synchronously")
+    return seconds
+
+
+def w2_single(args: Any) -> dict[str, Any]:
+    def each(noop: Any, n: int) -> int:
+        for i in range(n):
+            noop.defer(n=i)
+        return n
+
+    seconds = _timed_enqueue(args, "W2 single", each)
+    return rate(args.jobs, seconds, api="task.defer(**kwargs), app opened synchronously")
 
 
 def w2_bulk(args: Any) -> dict[str, Any]:
-    n = args.jobs
-    app = app_for(args.dsn)
-    db = Db(args.dsn)
-    try:
-        db.reset()
-        with app.open():
-            noop = app.tasks["noop"]
-            noop.defer(n=-1)
-            db.reset()
-            kwargs = [{"n": i} for i in range(n)]
-            started = time.perf_counter()
-            ids = noop.batch_defer(*kwargs)
-            seconds = time.perf_counter() - started
-        if len(ids) != n:
-            raise RunInvalid(f"W2 bulk: batch_defer returned {len(ids)} ids, expected {n}")
-        db.check_queued(n, "W2 bulk")
-        db.reset()
-    finally:
-        db.close()
-    return rate(n, seconds, api="task.batch_defer(*kwargs), app opened synchronously")
+    kwargs = [{"n": i} for i in range(args.jobs)]
+    seconds = _timed_enqueue(args, "W2 bulk", lambda noop, n: len(noop.batch_defer(*kwargs)))
+    return rate(args.jobs, seconds, api="task.batch_defer(*kwargs), app opened synchronously")
 
 
 def w3(args: Any) -> dict[str, Any]:
@@ -187,12 +183,7 @@ def w3(args: Any) -> dict[str, Any]:
 
 
 def setup(args: Any) -> dict[str, Any]:
-    done = subprocess.run(cli("schema", "--apply"), env=worker_env(args.dsn),
-                          capture_output=True, text=True, check=False)
-    sys.stderr.write(done.stdout + done.stderr)
-    if done.returncode:
-        raise RunInvalid(f"procrastinate schema --apply exited with {done.returncode}")
-    return {"installed": True}
+    return install(cli("schema", "--apply"), worker_env(args.dsn), "procrastinate schema --apply")
 
 
 def main() -> None:
