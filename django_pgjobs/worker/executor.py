@@ -1,8 +1,8 @@
 """Executors: threads that each run one job at a time.
 
 In lease mode an executor takes a claimed job from the hand-off queue, calls the registered
-function with the payload as keyword arguments, and passes the outcome to the completer. A
-job taken after shutdown began is not started: it is released, its attempt not counted.
+function with the payload as keyword arguments, and passes the outcome to the completer. (A
+claim that returns after shutdown began never reaches an executor: the producer releases it.)
 
 In transaction mode it takes a ticket instead, and claims, runs and completes one job in a
 single transaction on its own connection; the job's own writes share that transaction (a
@@ -128,9 +128,6 @@ class Executor(threading.Thread):
             connections.close_all()
 
     def _run_claimed(self, job: ClaimedJob) -> None:
-        if self.stopping.is_set():
-            self.completer.record(Outcome(job, RELEASE))
-            return
         ctx = context(job)
         self.completer.track(job, ctx)
         try:

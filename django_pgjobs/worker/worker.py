@@ -28,7 +28,7 @@ from django_pgjobs import conf, validation
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.managers import ClaimedJob, JobManager, default_worker_id
 from django_pgjobs.notify import Listener
-from django_pgjobs.worker.completer import Completer
+from django_pgjobs.worker.completer import RELEASE, Completer, Outcome
 from django_pgjobs.worker.db import Backoff, DirectConnections, unavailable
 from django_pgjobs.worker.executor import Executor, Ticket
 from django_pgjobs.worker.outcomes import WorkerStats
@@ -235,7 +235,7 @@ class Worker:
                 got = 0
                 if (maybe_more or self.burst) and free > 0:
                     wanted = min(free, self.batch_size)
-                    got = self._dispatch(wanted)
+                    got = self._dispatch(wanted, completer)
                     maybe_more = got == wanted or self._notified != notified
                     notified = self._notified
                     if got < wanted and not self.burst:
@@ -277,8 +277,13 @@ class Worker:
         for item in items:
             self._handoff.put(item)
 
-    def _dispatch(self, wanted: int) -> int:
-        """Claim up to ``wanted`` jobs across our queues (round robin); hand them out."""
+    def _dispatch(self, wanted: int, completer: Completer) -> int:
+        """Claim up to ``wanted`` jobs across our queues (round robin); hand them out.
+
+        Jobs whose claim returns after stop was requested are given back instead, not started
+        and their attempt not counted. The decision is taken here, as the claim returns, not
+        when an executor picks a job up: a job claimed before the signal runs however late
+        its executor thread gets to it."""
         got = 0
         for offset in range(len(self.queues)):
             queue_name = self.queues[(self._next_queue + offset) % len(self.queues)]
@@ -286,7 +291,11 @@ class Worker:
                 jobs = self.manager.claim(
                     queue_name, limit=wanted - got, lease=self.lease, worker_id=self.worker_id
                 )
-                self._hand_out(*jobs)
+                if self.stopping.is_set():
+                    for job in jobs:
+                        completer.record(Outcome(job, RELEASE))
+                else:
+                    self._hand_out(*jobs)
                 found = len(jobs)
             else:
                 found = self._dispatch_tickets(queue_name, wanted - got)
