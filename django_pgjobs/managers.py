@@ -215,7 +215,7 @@ class JobManager(models.Manager["Job"]):
             task, [payload], queue=queue, run_at=run_at, delay=delay, priority=priority,
             max_attempts=max_attempts,
         )
-        job_id, job_run_at, created_at = rows[0]
+        job_id, job_run_at, created_at, _notified = rows[0]
         known = {
             "id": job_id, "payload": payload, "run_at": _timestamp(job_run_at),
             "created_at": _timestamp(created_at), "attempts": 0, "status": "queued", **fields,
