@@ -10,8 +10,13 @@ import time
 import psycopg
 import pytest
 
+from django_pgjobs.managers import ClaimedJob
+from django_pgjobs.models import Job
+from django_pgjobs.worker import Worker
+from django_pgjobs.worker.executor import Ticket
 from scripts.pgserver import ThrowawayPostgres
 from testproject.shop.models import Order
+from testproject.testjobs import sleep
 from tests.helpers import NOOP, make_jobs, raw_connect, wait_until
 from tests.workers import Workers, counts, query, write_order
 
@@ -50,6 +55,27 @@ def test_jobs_claimed_after_sigterm_are_released_not_run(workers: Workers) -> No
         "SELECT id, status, attempts, locked_until, started_at, attempted_at, worker_ids::text "
         "FROM pgjobs_job ORDER BY id"
     ) == [(job_id, "queued", 0, None, None, None, "[]") for job_id in ids]
+
+
+def test_jobs_handed_out_before_the_stop_run_however_late_an_executor_takes_them() -> None:
+    ids = Job.objects.enqueue_many(sleep, [{"seconds": 0.2}] * 3)
+
+    class StopAtHandOut(Worker):
+        def _hand_out(self, *items: ClaimedJob | Ticket) -> None:
+            # The claim has returned and was found to precede any stop; the stop comes now,
+            # before a single executor has taken a job off the hand-off queue.
+            self.stop()
+            super()._hand_out(*items)
+
+    stats = StopAtHandOut(["default"], concurrency=2, poll_interval=600, reap_interval=0).run()
+
+    # The two it claimed (one per free executor) ran on their first attempt; the third was
+    # never claimed: no claim starts after the stop.
+    assert (stats.claimed, stats.done, stats.released) == (2, 2, 0)
+    assert query(
+        "SELECT status, attempts, count(*) FROM pgjobs_job WHERE id = ANY(%s) "
+        "GROUP BY status, attempts ORDER BY status", [ids]
+    ) == [("done", 1, 2), ("queued", 0, 1)]
 
 
 def test_jobs_still_running_after_the_shutdown_timeout_are_left_to_their_lease(

@@ -209,10 +209,14 @@ class Worker:
         next_due: float | None = None
         maybe_more = True
         notified = self._notified
-        while not self.stopping.is_set():
+        while True:
+            # Clear before looking at the stop flag: stop() sets the flag, then the wake-up,
+            # so a stop that lands while this round runs still cuts its wait short.
+            self._wake.clear()
+            if self.stopping.is_set():
+                return
             if not completer.is_alive():
                 raise RuntimeError("the completer thread stopped: not claiming more jobs")
-            self._wake.clear()
             now = time.monotonic()
             timed = now >= next_tick
             if timed:
@@ -280,12 +284,14 @@ class Worker:
     def _dispatch(self, wanted: int, completer: Completer) -> int:
         """Claim up to ``wanted`` jobs across our queues (round robin); hand them out.
 
-        Jobs whose claim returns after stop was requested are given back instead, not started
-        and their attempt not counted. The decision is taken here, as the claim returns, not
-        when an executor picks a job up: a job claimed before the signal runs however late
-        its executor thread gets to it."""
+        No claim starts once stop was requested. Jobs of a claim that returns after it are
+        given back instead, not started and their attempt not counted. The decision is taken
+        here, as the claim returns, not when an executor picks a job up: a job handed out
+        before the stop runs however late its executor thread gets to it."""
         got = 0
         for offset in range(len(self.queues)):
+            if self.stopping.is_set():
+                break
             queue_name = self.queues[(self._next_queue + offset) % len(self.queues)]
             if self.mode == "lease":
                 jobs = self.manager.claim(
