@@ -20,7 +20,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy django_pgjobs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
-	$(WITH_DB) $(BIN)/python -m pytest $(PYTEST_ARGS)
+	rm -f .coverage .coverage.*
+	$(WITH_DB) env COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/coverage run -m pytest $(PYTEST_ARGS)
+	$(BIN)/coverage combine --quiet
+	$(if $(PYTEST_ARGS),@echo "coverage floor not checked: PYTEST_ARGS ran part of the suite",$(BIN)/coverage report)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -38,7 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .coverage.*
 
 # The Python x Django matrix (tox.ini): the whole suite on each combination whose
 # interpreter this machine has.
