@@ -4,12 +4,14 @@ notification is lost, and otherwise silent (serverless Postgres may suspend mean
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from datetime import datetime
 
 import pytest
 
 from django_pgjobs.models import Job
+from django_pgjobs.worker import Worker
 from testproject.testjobs import noop
 from tests.helpers import make_job, wait_until
 from tests.workers import Process, Workers, listener_backends, query, run_time, terminate
@@ -114,3 +116,51 @@ def test_an_idle_worker_sends_no_query(workers: Workers) -> None:
     assert activity() != quiet
     worker.send(signal.SIGTERM)
     assert worker.wait(15) == 0
+
+
+def test_a_notify_that_comes_while_the_producer_looks_up_due_times_is_not_lost() -> None:
+    armed = threading.Event()
+    second: list[int] = []
+
+    class NotifiedMidRound(Worker):
+        def _next_due(self) -> float | None:
+            due = super()._next_due()
+            if armed.is_set() and not second:
+                # The claim found fewer jobs than free slots, so the producer asks when the
+                # next deferred job is due; meanwhile a job arrives (inserted without a
+                # NOTIFY) and its notification reaches the worker.
+                second.append(make_job())
+                self._on_notify()
+            return due
+
+    # Its poll is ten minutes away and nothing else announces the second job: only that
+    # wake-up can make the producer claim it before the first job ends and frees a slot.
+    worker = NotifiedMidRound(
+        ["default"], concurrency=2, poll_interval=600, reap_interval=0, max_jobs=2
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        # Past start-up: its LISTEN is up (the listener wakes the producer once it is).
+        wait_until(listener_backends, timeout=10, message="the LISTEN connection")
+        time.sleep(0.2)
+        # A 3-second job, announced to this worker alone, with a free slot beside it.
+        first = make_job(task="testproject.testjobs.sleep", payload={"seconds": 3})
+        armed.set()
+        worker._on_notify()
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "the worker did not finish its two jobs"
+    finally:
+        worker.stop()
+        thread.join(timeout=15)
+    rows = query(
+        "SELECT id, status, attempted_at, finished_at FROM pgjobs_job WHERE id = ANY(%s) "
+        "ORDER BY id", [[first, *second]]
+    )
+    assert [(job_id, status) for job_id, status, *_ in rows] == [
+        (first, "done"), (second[0], "done")
+    ]
+    (_, _, first_claimed, first_finished), (_, _, second_claimed, _) = rows
+    # Claimed at once, into the free slot, not when the first job's end woke the producer.
+    assert second_claimed < first_finished
+    assert (second_claimed - first_claimed).total_seconds() < 1.5

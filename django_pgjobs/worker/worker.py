@@ -146,7 +146,10 @@ class Worker:
             name, self.shutdown_timeout,
             extra={"action": "shutdown", "worker_id": self.worker_id},
         )
-        self.stop()
+        # Not stop() here: the handler runs in the producer's thread, which may hold the lock
+        # of the very Event that stop() sets (inside wait() or clear()), and that lock is not
+        # reentrant. A thread of its own sets them.
+        threading.Thread(target=self.stop, name="pgjobs-stop", daemon=True).start()
 
     def _on_notify(self) -> None:
         self._notified += 1
@@ -215,6 +218,10 @@ class Worker:
             self._wake.clear()
             if self.stopping.is_set():
                 return
+            # Any NOTIFY (or retry) since the last look, whenever it came (during a claim or
+            # the due-time query included): there may be more to claim.
+            if self._notified != notified:
+                maybe_more, notified = True, self._notified
             if not completer.is_alive():
                 raise RuntimeError("the completer thread stopped: not claiming more jobs")
             now = time.monotonic()
@@ -240,8 +247,7 @@ class Worker:
                 if (maybe_more or self.burst) and free > 0:
                     wanted = min(free, self.batch_size)
                     got = self._dispatch(wanted, completer)
-                    maybe_more = got == wanted or self._notified != notified
-                    notified = self._notified
+                    maybe_more = got == wanted
                     if got < wanted and not self.burst:
                         # Deferred jobs and retries send no NOTIFY when they come due.
                         next_due = self._next_due()
@@ -261,9 +267,6 @@ class Worker:
                 return
             wake_at = next_tick if next_due is None else min(next_tick, next_due)
             self._wake.wait(max(0.0, wake_at - time.monotonic()))
-            if self._notified != notified:
-                maybe_more = True
-                notified = self._notified
 
     def _next_due(self) -> float | None:
         """Monotonic time when the earliest deferred job of our queues comes due, if any."""
