@@ -461,9 +461,14 @@ class JobManager(models.Manager["Job"]):
         return job_id in self.release_many([(job_id, attempts, claimed_at)])
 
     def release_many(self, jobs: Iterable[Claim]) -> set[int]:
-        """Release claims (``ClaimedJob`` or ``(id, attempts[, claimed_at])``) at once."""
+        """Release claims (``ClaimedJob`` or ``(id, attempts[, claimed_at])``) at once.
+
+        Like an enqueue, it notifies the released jobs' queues (when it commits), so idle
+        workers claim them at once rather than at their next poll.
+        """
         claims = _claims(jobs)
-        return {row[0] for row in self._fenced("release", sql.RELEASE, claims, claims)}
+        params = claims | {"notify_channel": conf.channel()}
+        return {row[0] for row in self._fenced("release", sql.RELEASE, claims, params)}
 
     def _fenced(
         self, action: str, statement: Any, claims: dict[str, list[Any]],

@@ -20,6 +20,7 @@ from django_pgjobs.models import ArchivedJob, Job
 from tests.helpers import (
     DbThread,
     job_row,
+    listening,
     make_job,
     make_jobs,
     query,
@@ -169,7 +170,10 @@ class OutcomeTests(TransactionTestCase):
     def test_release_gives_the_attempt_back(self) -> None:
         job_id = make_job()
         c = self.claim_one()
-        assert Job.objects.release(c.id, c.attempts) is True
+        with listening() as listener:
+            assert Job.objects.release(c.id, c.attempts) is True
+            # The job is ready again: its queue is announced, as an enqueue's would be.
+            assert listener.receive(1) == ["default"]
         row = job_row(job_id)
         assert (row["status"], row["attempts"], row["locked_until"], row["started_at"]) == (
             "queued", 0, None, None)
