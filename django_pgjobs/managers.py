@@ -461,14 +461,9 @@ class JobManager(models.Manager["Job"]):
         return job_id in self.release_many([(job_id, attempts, claimed_at)])
 
     def release_many(self, jobs: Iterable[Claim]) -> set[int]:
-        """Release claims (``ClaimedJob`` or ``(id, attempts[, claimed_at])``) at once.
-
-        Like an enqueue, it notifies the released jobs' queues (when it commits), so idle
-        workers claim them at once rather than at their next poll.
-        """
+        """Release claims (``ClaimedJob`` or ``(id, attempts[, claimed_at])``) at once."""
         claims = _claims(jobs)
-        params = claims | {"notify_channel": conf.channel()}
-        return {row[0] for row in self._fenced("release", sql.RELEASE, claims, params)}
+        return {row[0] for row in self._fenced("release", sql.RELEASE, claims, claims)}
 
     def _fenced(
         self, action: str, statement: Any, claims: dict[str, list[Any]],

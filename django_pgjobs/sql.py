@@ -160,8 +160,6 @@ RETURNING j.id
 """
 
 # Give back a job that was claimed but never started: the claim's attempt is not counted.
-# The job is ready again at once, so, like an enqueue, the release announces its queue (one
-# notification per queue however many rows: PostgreSQL folds repeats within a transaction).
 RELEASE: LiteralString = """
 UPDATE pgjobs_job j
 SET status       = 'queued',
@@ -174,7 +172,7 @@ FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[
      AS mine(id, attempts, claimed_at)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
   AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
-RETURNING j.id, pg_notify(%(notify_channel)s, j.queue)
+RETURNING j.id
 """
 
 # Expired leases back to queued (or failed once the attempts are used up: a job that kills
