@@ -9,6 +9,7 @@ shorter of its poll and reap intervals: serverless Postgres may suspend in betwe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -148,8 +149,11 @@ class Worker:
         )
         # Not stop() here: the handler runs in the producer's thread, which may hold the lock
         # of the very Event that stop() sets (inside wait() or clear()), and that lock is not
-        # reentrant. A thread of its own sets them.
-        threading.Thread(target=self.stop, name="pgjobs-stop", daemon=True).start()
+        # reentrant. A thread of its own sets them; a daemon one, whose start takes no lock
+        # the interrupted thread could hold. (During interpreter shutdown no thread can
+        # start, and nothing is left to stop.)
+        with contextlib.suppress(RuntimeError):
+            threading.Thread(target=self.stop, name="pgjobs-stop", daemon=True).start()
 
     def _on_notify(self) -> None:
         self._notified += 1
