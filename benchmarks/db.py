@@ -45,8 +45,9 @@ def recreate(server_url: str, name: str) -> str:
     if urlsplit(server_url).path.lstrip("/") in (BENCH_DB, HISTORY_DB):
         admin_url = with_database(server_url, "postgres")
     with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(pgsql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            pgsql.Identifier(name)))
+        conn.execute(
+            pgsql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(pgsql.Identifier(name))
+        )
         conn.execute(pgsql.SQL("CREATE DATABASE {}").format(pgsql.Identifier(name)))
     return with_database(server_url, name)
 
@@ -150,10 +151,19 @@ class Admin:
         return float(value or 0.0)
 
     def settings(self) -> dict[str, str]:
-        names = ("server_version", "fsync", "synchronous_commit", "shared_buffers",
-                 "max_wal_size", "wal_sync_method", "max_connections")
-        return {name: str(self.one(pgsql.SQL("SHOW {}").format(pgsql.Identifier(name))))
-                for name in names}
+        names = (
+            "server_version",
+            "fsync",
+            "synchronous_commit",
+            "shared_buffers",
+            "max_wal_size",
+            "wal_sync_method",
+            "max_connections",
+        )
+        return {
+            name: str(self.one(pgsql.SQL("SHOW {}").format(pgsql.Identifier(name))))
+            for name in names
+        }
 
 
 class Server(AbstractContextManager["Server"]):

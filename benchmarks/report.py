@@ -26,8 +26,15 @@ class Row:
         return statistics.median(self.values)
 
     def as_json(self) -> dict[str, Any]:
-        return {"key": self.key, "label": self.label, "unit": self.unit, "values": self.values,
-                "median": self.median, "min": min(self.values), "max": max(self.values)}
+        return {
+            "key": self.key,
+            "label": self.label,
+            "unit": self.unit,
+            "values": self.values,
+            "median": self.median,
+            "min": min(self.values),
+            "max": max(self.values),
+        }
 
 
 @dataclass
@@ -57,33 +64,41 @@ def fmt(value: float | None, unit: str) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
 
     def line(cells: Sequence[str]) -> str:
         return " | ".join(
             c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True)
         ).rstrip()
 
-    return "\n".join([line(headers), "-+-".join("-" * w for w in widths),
-                      *(line(r) for r in rows)])
+    return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 
 def rows_table(rows: Sequence[Row]) -> str:
     body = [
-        [row.label, fmt(row.median, row.unit),
-         f"{fmt(min(row.values), row.unit)} - {fmt(max(row.values), row.unit)}",
-         row.unit, str(len(row.values))]
+        [
+            row.label,
+            fmt(row.median, row.unit),
+            f"{fmt(min(row.values), row.unit)} - {fmt(max(row.values), row.unit)}",
+            row.unit,
+            str(len(row.values)),
+        ]
         for row in rows
     ]
-    return table(["workload", "median", "min - max", "unit", "runs"], body,
-                 [False, True, True, False, True])
+    return table(
+        ["workload", "median", "min - max", "unit", "runs"], body, [False, True, True, False, True]
+    )
 
 
 def targets_table(targets: Sequence[Target]) -> str:
     body = [[t.name, t.measured, t.goal, t.verdict] for t in targets]
-    return table(["target", "measured (medians, this run)", "goal", "verdict"], body,
-                 [False, False, False, False])
+    return table(
+        ["target", "measured (medians, this run)", "goal", "verdict"],
+        body,
+        [False, False, False, False],
+    )
 
 
 def peer_names(runs: Runs) -> list[str]:
@@ -94,14 +109,22 @@ def peer_names(runs: Runs) -> list[str]:
 def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> list[Row]:
     rows: list[Row] = []
 
-    def add(key: str, label: str, unit: str, source: str,
-            value: Callable[[dict[str, Any]], float | None]) -> None:
+    def add(
+        key: str,
+        label: str,
+        unit: str,
+        source: str,
+        value: Callable[[dict[str, Any]], float | None],
+    ) -> None:
         values = [v for v in (value(r) for r in runs.get(source, [])) if v is not None]
         if values:
             rows.append(Row(key, label, unit, values))
 
-    startup_cpu = (statistics.median(r["worker_cpu_s"] for r in runs["startup"])
-                   if runs.get("startup") else None)
+    startup_cpu = (
+        statistics.median(r["worker_cpu_s"] for r in runs["startup"])
+        if runs.get("startup")
+        else None
+    )
 
     def net_cpu(r: dict[str, Any]) -> float | None:
         if startup_cpu is None:
@@ -116,72 +139,191 @@ def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> lis
         return None if worker is None or server is None else worker + server
 
     for source, name in (("w1_1x8", "1 process x 8"), ("w1_2x4", "2 processes x 4")):
-        add(f"{source}.jobs_per_s", f"W1 execute, {name}", "jobs/s", source,
-            lambda r: r["jobs_per_s"])
-    add("w1_1x8.wall_jobs_per_s", "W1 1x8, process wall clock incl. start-up", "jobs/s",
-        "w1_1x8", lambda r: r["jobs"] / r["wall_s"])
+        add(
+            f"{source}.jobs_per_s",
+            f"W1 execute, {name}",
+            "jobs/s",
+            source,
+            lambda r: r["jobs_per_s"],
+        )
+    add(
+        "w1_1x8.wall_jobs_per_s",
+        "W1 1x8, process wall clock incl. start-up",
+        "jobs/s",
+        "w1_1x8",
+        lambda r: r["jobs"] / r["wall_s"],
+    )
     for source, name in (("w1_1x8", "1x8"), ("w1_2x4", "2x4")):
-        add(f"{source}.worker_cpu", f"W1 {name} worker CPU (net of start-up)", "ms/job",
-            source, net_cpu)
+        add(
+            f"{source}.worker_cpu",
+            f"W1 {name} worker CPU (net of start-up)",
+            "ms/job",
+            source,
+            net_cpu,
+        )
         add(f"{source}.pg_cpu", f"W1 {name} PostgreSQL CPU", "ms/job", source, pg_cpu)
-        add(f"{source}.total_cpu", f"W1 {name} worker + PostgreSQL CPU", "ms/job", source,
-            total_cpu)
-    add("startup.wall_s", "worker start-up: empty burst, wall", "s", "startup",
-        lambda r: r["wall_s"])
-    add("startup.cpu_s", "worker start-up: empty burst, CPU", "s", "startup",
-        lambda r: r["worker_cpu_s"])
-    add("w2_single.jobs_per_s", "W2 enqueue(), one transaction each", "jobs/s", "w2_single",
-        lambda r: r["jobs_per_s"])
-    add("w2_bare.jobs_per_s", "W2 bare INSERT loop, same connection", "jobs/s", "w2_bare",
-        lambda r: r["jobs_per_s"])
-    add("w2_bulk.jobs_per_s", "W2 enqueue_many(), one call", "jobs/s", "w2_bulk",
-        lambda r: r["jobs_per_s"])
+        add(
+            f"{source}.total_cpu", f"W1 {name} worker + PostgreSQL CPU", "ms/job", source, total_cpu
+        )
+    add(
+        "startup.wall_s",
+        "worker start-up: empty burst, wall",
+        "s",
+        "startup",
+        lambda r: r["wall_s"],
+    )
+    add(
+        "startup.cpu_s",
+        "worker start-up: empty burst, CPU",
+        "s",
+        "startup",
+        lambda r: r["worker_cpu_s"],
+    )
+    add(
+        "w2_single.jobs_per_s",
+        "W2 enqueue(), one transaction each",
+        "jobs/s",
+        "w2_single",
+        lambda r: r["jobs_per_s"],
+    )
+    add(
+        "w2_bare.jobs_per_s",
+        "W2 bare INSERT loop, same connection",
+        "jobs/s",
+        "w2_bare",
+        lambda r: r["jobs_per_s"],
+    )
+    add(
+        "w2_bulk.jobs_per_s",
+        "W2 enqueue_many(), one call",
+        "jobs/s",
+        "w2_bulk",
+        lambda r: r["jobs_per_s"],
+    )
     for q in ("p50", "p95", "p99"):
         add(f"w3.{q}_ms", f"W3 wake-up latency {q}", "ms", "w3", lambda r, q=q: r[f"{q}_ms"])
     for q in ("p50", "p95", "p99"):
-        add(f"w3_atomic.{q}_ms", f"W3 enqueued in atomic(), latency {q}", "ms", "w3_atomic",
-            lambda r, q=q: r[f"{q}_ms"])
+        add(
+            f"w3_atomic.{q}_ms",
+            f"W3 enqueued in atomic(), latency {q}",
+            "ms",
+            "w3_atomic",
+            lambda r, q=q: r[f"{q}_ms"],
+        )
     history = f"{history_rows:,} done rows"
     for source, name in (("claim_empty", "0 done rows"), ("claim_history", history)):
-        add(f"{source}.claim_ms", f"Scale: claim(limit=10), {name}", "ms", source,
-            lambda r: r["claim_ms"])
-        add(f"{source}.claim_complete_ms", f"Scale: claim + complete_many, {name}", "ms",
-            source, lambda r: r["claim_complete_ms"])
-    add("w1_1x8_history.jobs_per_s", f"Scale: W1 1x8, {history}", "jobs/s",
-        "w1_1x8_history", lambda r: r["jobs_per_s"])
-    add("w1_1x8_history.total_cpu", f"Scale: W1 1x8, {history}, worker + PG CPU",
-        "ms/job", "w1_1x8_history", total_cpu)
-    add("ceiling.jobs_per_s", "SQL ceiling: pgbench CLAIM 10 + COMPLETE, 8 clients", "jobs/s",
-        "ceiling", lambda r: r["jobs_per_s"])
-    add("naive.done", "seed's naive claim under pgbench: jobs done", "jobs", "naive",
-        lambda r: r["done"])
-    add("naive.max_attempts", "seed's naive claim: most claims of one job", "count", "naive",
-        lambda r: r["max_attempts"])
+        add(
+            f"{source}.claim_ms",
+            f"Scale: claim(limit=10), {name}",
+            "ms",
+            source,
+            lambda r: r["claim_ms"],
+        )
+        add(
+            f"{source}.claim_complete_ms",
+            f"Scale: claim + complete_many, {name}",
+            "ms",
+            source,
+            lambda r: r["claim_complete_ms"],
+        )
+    add(
+        "w1_1x8_history.jobs_per_s",
+        f"Scale: W1 1x8, {history}",
+        "jobs/s",
+        "w1_1x8_history",
+        lambda r: r["jobs_per_s"],
+    )
+    add(
+        "w1_1x8_history.total_cpu",
+        f"Scale: W1 1x8, {history}, worker + PG CPU",
+        "ms/job",
+        "w1_1x8_history",
+        total_cpu,
+    )
+    add(
+        "ceiling.jobs_per_s",
+        "SQL ceiling: pgbench CLAIM 10 + COMPLETE, 8 clients",
+        "jobs/s",
+        "ceiling",
+        lambda r: r["jobs_per_s"],
+    )
+    add(
+        "naive.done",
+        "seed's naive claim under pgbench: jobs done",
+        "jobs",
+        "naive",
+        lambda r: r["done"],
+    )
+    add(
+        "naive.max_attempts",
+        "seed's naive claim: most claims of one job",
+        "count",
+        "naive",
+        lambda r: r["max_attempts"],
+    )
     for name in peer_names(runs):
         source = f"peer.{name}."
-        add(f"{source}w1.jobs_per_s", f"peer {name}: W1 execute, concurrency 8", "jobs/s",
-            source + "w1", lambda r: r["jobs_per_s"])
-        add(f"{source}w1.worker_cpu", f"peer {name}: W1 worker CPU (net of start-up)",
-            "ms/job", source + "w1", lambda r: r.get("worker_cpu_net_ms_per_job"))
-        add(f"{source}w2_single.jobs_per_s", f"peer {name}: W2 single enqueue", "jobs/s",
-            source + "w2_single", lambda r: r["jobs_per_s"])
-        add(f"{source}w2_bulk.jobs_per_s", f"peer {name}: W2 bulk enqueue", "jobs/s",
-            source + "w2_bulk", lambda r: r["jobs_per_s"])
+        add(
+            f"{source}w1.jobs_per_s",
+            f"peer {name}: W1 execute, concurrency 8",
+            "jobs/s",
+            source + "w1",
+            lambda r: r["jobs_per_s"],
+        )
+        add(
+            f"{source}w1.worker_cpu",
+            f"peer {name}: W1 worker CPU (net of start-up)",
+            "ms/job",
+            source + "w1",
+            lambda r: r.get("worker_cpu_net_ms_per_job"),
+        )
+        add(
+            f"{source}w2_single.jobs_per_s",
+            f"peer {name}: W2 single enqueue",
+            "jobs/s",
+            source + "w2_single",
+            lambda r: r["jobs_per_s"],
+        )
+        add(
+            f"{source}w2_bulk.jobs_per_s",
+            f"peer {name}: W2 bulk enqueue",
+            "jobs/s",
+            source + "w2_bulk",
+            lambda r: r["jobs_per_s"],
+        )
         for q in ("p50", "p95", "p99"):
-            add(f"{source}w3.{q}_ms", f"peer {name}: W3 wake-up latency {q}", "ms",
-                source + "w3", lambda r, q=q: r[f"{q}_ms"])
+            add(
+                f"{source}w3.{q}_ms",
+                f"peer {name}: W3 wake-up latency {q}",
+                "ms",
+                source + "w3",
+                lambda r, q=q: r[f"{q}_ms"],
+            )
     if rss is not None:
         for part in ("start", "peak", "end"):
-            rows.append(Row(f"rss.{part}", f"worker RSS over {rss['jobs']:,} jobs: {part}",
-                            "MiB", [rss[f"{part}_bytes"] / MIB]))
+            rows.append(
+                Row(
+                    f"rss.{part}",
+                    f"worker RSS over {rss['jobs']:,} jobs: {part}",
+                    "MiB",
+                    [rss[f"{part}_bytes"] / MIB],
+                )
+            )
         if rss.get("jobs_per_s"):
-            rows.append(Row("rss.jobs_per_s", f"long run ({rss['jobs']:,} jobs), 1x8", "jobs/s",
-                            [rss["jobs_per_s"]]))
+            rows.append(
+                Row(
+                    "rss.jobs_per_s",
+                    f"long run ({rss['jobs']:,} jobs), 1x8",
+                    "jobs/s",
+                    [rss["jobs_per_s"]],
+                )
+            )
     return rows
 
 
-def build_targets(rows: Sequence[Row], rss: dict[str, Any] | None,
-                  history_rows: int) -> list[Target]:
+def build_targets(
+    rows: Sequence[Row], rss: dict[str, Any] | None, history_rows: int
+) -> list[Target]:
     med = {row.key: row.median for row in rows}
 
     def get(key: str) -> float | None:
@@ -191,60 +333,103 @@ def build_targets(rows: Sequence[Row], rss: dict[str, Any] | None,
     w1, ceiling = get("w1_1x8.jobs_per_s"), get("ceiling.jobs_per_s")
     if w1 is not None and ceiling is not None:
         share = w1 / ceiling
-        targets.append(Target("W1 1x8 vs the SQL ceiling of this run",
-                              f"{share:.1%} ({w1:,.0f} of {ceiling:,.0f} jobs/s)", ">= 50%",
-                              share >= 0.5))
+        targets.append(
+            Target(
+                "W1 1x8 vs the SQL ceiling of this run",
+                f"{share:.1%} ({w1:,.0f} of {ceiling:,.0f} jobs/s)",
+                ">= 50%",
+                share >= 0.5,
+            )
+        )
     else:
         targets.append(Target("W1 1x8 vs the SQL ceiling of this run", "-", ">= 50%", None))
     targets.append(versus_pgqueuer("W1 1x8", w1, get("peer.pgqueuer.w1.jobs_per_s"), 6000))
     cpu = get("w1_1x8.total_cpu")
-    targets.append(Target(
-        "W1 1x8 worker + PostgreSQL CPU per job",
-        "-" if cpu is None else f"{cpu:.3f} ms (worker {get('w1_1x8.worker_cpu'):.3f} + "
-        f"PG {get('w1_1x8.pg_cpu'):.3f})", "<= 0.2 ms", None if cpu is None else cpu <= 0.2))
+    targets.append(
+        Target(
+            "W1 1x8 worker + PostgreSQL CPU per job",
+            "-"
+            if cpu is None
+            else f"{cpu:.3f} ms (worker {get('w1_1x8.worker_cpu'):.3f} + "
+            f"PG {get('w1_1x8.pg_cpu'):.3f})",
+            "<= 0.2 ms",
+            None if cpu is None else cpu <= 0.2,
+        )
+    )
     single, bare = get("w2_single.jobs_per_s"), get("w2_bare.jobs_per_s")
     ratio = None if single is None or bare is None else bare / single
-    targets.append(Target(
-        "W2 enqueue() time vs bare INSERT loop",
-        "-" if ratio is None else f"{ratio:.2f}x ({single:,.0f} vs {bare:,.0f} jobs/s)",
-        "<= 1.10x", None if ratio is None else ratio <= 1.10))
-    targets.append(versus_pgqueuer("W2 enqueue_many()", get("w2_bulk.jobs_per_s"),
-                                   get("peer.pgqueuer.w2_bulk.jobs_per_s"), 150_000))
+    targets.append(
+        Target(
+            "W2 enqueue() time vs bare INSERT loop",
+            "-" if ratio is None else f"{ratio:.2f}x ({single:,.0f} vs {bare:,.0f} jobs/s)",
+            "<= 1.10x",
+            None if ratio is None else ratio <= 1.10,
+        )
+    )
+    targets.append(
+        versus_pgqueuer(
+            "W2 enqueue_many()",
+            get("w2_bulk.jobs_per_s"),
+            get("peer.pgqueuer.w2_bulk.jobs_per_s"),
+            150_000,
+        )
+    )
     for q, goal in (("p50", 1.0), ("p99", 3.0)):
         value = get(f"w3.{q}_ms")
-        targets.append(Target(f"W3 wake-up latency {q}",
-                              "-" if value is None else f"{value:.3f} ms", f"<= {goal:g} ms",
-                              None if value is None else value <= goal))
+        targets.append(
+            Target(
+                f"W3 wake-up latency {q}",
+                "-" if value is None else f"{value:.3f} ms",
+                f"<= {goal:g} ms",
+                None if value is None else value <= goal,
+            )
+        )
     empty, full = get("claim_empty.claim_ms"), get("claim_history.claim_ms")
     claim_ratio = None if empty is None or full is None else full / empty
-    targets.append(Target(
-        f"claim latency, {history_rows:,} done rows vs none",
-        "-" if claim_ratio is None else f"{claim_ratio:.2f}x ({full:.3f} vs {empty:.3f} ms)",
-        "<= 1.2x", None if claim_ratio is None else claim_ratio <= 1.2))
+    targets.append(
+        Target(
+            f"claim latency, {history_rows:,} done rows vs none",
+            "-" if claim_ratio is None else f"{claim_ratio:.2f}x ({full:.3f} vs {empty:.3f} ms)",
+            "<= 1.2x",
+            None if claim_ratio is None else claim_ratio <= 1.2,
+        )
+    )
     if rss is not None:
         growth = (rss["end_bytes"] - rss["quarter_bytes"]) / rss["quarter_bytes"]
-        targets.append(Target(
-            f"worker RSS flat over {rss['jobs']:,} jobs",
-            f"{rss['start_bytes'] / MIB:.1f} -> peak {rss['peak_bytes'] / MIB:.1f} -> end "
-            f"{rss['end_bytes'] / MIB:.1f} MiB ({growth:+.1%} after the first quarter)",
-            "end within 5% of the RSS a quarter in", growth <= 0.05))
+        targets.append(
+            Target(
+                f"worker RSS flat over {rss['jobs']:,} jobs",
+                f"{rss['start_bytes'] / MIB:.1f} -> peak {rss['peak_bytes'] / MIB:.1f} -> end "
+                f"{rss['end_bytes'] / MIB:.1f} MiB ({growth:+.1%} after the first quarter)",
+                "end within 5% of the RSS a quarter in",
+                growth <= 0.05,
+            )
+        )
     else:
         targets.append(Target("worker RSS flat", "-", "end within 5% of a quarter in", None))
     return targets
 
 
-def versus_pgqueuer(what: str, ours: float | None, theirs: float | None,
-                    issue_figure: float) -> Target:
+def versus_pgqueuer(
+    what: str, ours: float | None, theirs: float | None, issue_figure: float
+) -> Target:
     """3x pgqueuer: side by side when BENCH_PEERS=1 measured it, else the issue's figure."""
     if theirs is None:
-        return Target(f"{what} floor: 3x pgqueuer (issue's figure, not side by side)",
-                      "-" if ours is None else f"{ours:,.0f} jobs/s",
-                      f">= {issue_figure:,.0f} jobs/s",
-                      None if ours is None else ours >= issue_figure)
-    measured = "-" if ours is None else (
-        f"{ours / theirs:.2f}x ({ours:,.0f} vs {theirs:,.0f} jobs/s)")
-    return Target(f"{what} vs pgqueuer, side by side", measured, ">= 3x",
-                  None if ours is None else ours >= 3 * theirs)
+        return Target(
+            f"{what} floor: 3x pgqueuer (issue's figure, not side by side)",
+            "-" if ours is None else f"{ours:,.0f} jobs/s",
+            f">= {issue_figure:,.0f} jobs/s",
+            None if ours is None else ours >= issue_figure,
+        )
+    measured = (
+        "-" if ours is None else (f"{ours / theirs:.2f}x ({ours:,.0f} vs {theirs:,.0f} jobs/s)")
+    )
+    return Target(
+        f"{what} vs pgqueuer, side by side",
+        measured,
+        ">= 3x",
+        None if ours is None else ours >= 3 * theirs,
+    )
 
 
 def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
@@ -253,15 +438,17 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
     pairs = (
         ("W1 1x8 with the history / without", "w1_1x8_history.jobs_per_s", "w1_1x8.jobs_per_s"),
         ("W1 2x4 / 1x8", "w1_2x4.jobs_per_s", "w1_1x8.jobs_per_s"),
-        ("claim + complete, history / none", "claim_history.claim_complete_ms",
-         "claim_empty.claim_complete_ms"),
+        (
+            "claim + complete, history / none",
+            "claim_history.claim_complete_ms",
+            "claim_empty.claim_complete_ms",
+        ),
         ("W2 enqueue_many() / enqueue()", "w2_bulk.jobs_per_s", "w2_single.jobs_per_s"),
     )
     for peer in sorted({key.split(".")[1] for key in med if key.startswith("peer.")}):
         pairs += (
             (f"W1 1x8 / {peer}", "w1_1x8.jobs_per_s", f"peer.{peer}.w1.jobs_per_s"),
-            (f"W2 enqueue() / {peer}", "w2_single.jobs_per_s",
-             f"peer.{peer}.w2_single.jobs_per_s"),
+            (f"W2 enqueue() / {peer}", "w2_single.jobs_per_s", f"peer.{peer}.w2_single.jobs_per_s"),
             (f"W2 bulk / {peer}", "w2_bulk.jobs_per_s", f"peer.{peer}.w2_bulk.jobs_per_s"),
             (f"W3 p50, {peer} / ours", f"peer.{peer}.w3.p50_ms", "w3.p50_ms"),
         )

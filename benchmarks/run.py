@@ -39,24 +39,35 @@ SECTIONS = ("w1", "w2", "w3", "scale", "ceiling", "rss")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
+        prog="python -m benchmarks.run",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes and 2 runs: a smoke run of every workload")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes and 2 runs: a smoke run of every workload"
+    )
     parser.add_argument("--runs", type=int, help="interleaved runs of every workload (default 5)")
     parser.add_argument("--jobs", type=int, help="jobs per W1 and W2 run (default 10,000)")
-    parser.add_argument("--history-rows", type=int,
-                        help="done rows of the scale section (default 1,000,000)")
-    parser.add_argument("--rss-jobs", type=int,
-                        help="jobs of the long RSS run (default 1,000,000; --quick 20,000)")
-    parser.add_argument("--ceiling-jobs", type=int,
-                        help="pre-enqueued jobs of the pgbench ceiling run (default 100,000)")
-    parser.add_argument("--skip", default="",
-                        help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}")
-    parser.add_argument("--worker-log-level", default="WARNING",
-                        help="PGJOBS_LOG_LEVEL of the workers (default WARNING: INFO logs "
-                             "one line per job, which the benchmark would then measure)")
+    parser.add_argument(
+        "--history-rows", type=int, help="done rows of the scale section (default 1,000,000)"
+    )
+    parser.add_argument(
+        "--rss-jobs", type=int, help="jobs of the long RSS run (default 1,000,000; --quick 20,000)"
+    )
+    parser.add_argument(
+        "--ceiling-jobs",
+        type=int,
+        help="pre-enqueued jobs of the pgbench ceiling run (default 100,000)",
+    )
+    parser.add_argument(
+        "--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}"
+    )
+    parser.add_argument(
+        "--worker-log-level",
+        default="WARNING",
+        help="PGJOBS_LOG_LEVEL of the workers (default WARNING: INFO logs "
+        "one line per job, which the benchmark would then measure)",
+    )
     parser.add_argument("--json", type=Path, help="where to write the raw figures")
     args = parser.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -79,8 +90,9 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
 
 def git_state() -> dict[str, Any]:
     def git(*args: str) -> str:
-        result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                check=False)
+        result = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=False
+        )
         return result.stdout.strip()
 
     diff = git("diff", "HEAD", "--", "django_pgjobs")
@@ -100,17 +112,23 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         model = "?"
-    return {"cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "platform": platform.platform()}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def setup_django(bench_url: str, history_url: str) -> None:
-    os.environ.update({
-        "DATABASE_URL": bench_url,
-        "BENCH_HISTORY_DATABASE_URL": history_url,
-        "DJANGO_SETTINGS_MODULE": "benchmarks.settings",
-        "PGJOBS_LOG_LEVEL": "WARNING",
-    })
+    os.environ.update(
+        {
+            "DATABASE_URL": bench_url,
+            "BENCH_HISTORY_DATABASE_URL": history_url,
+            "DJANGO_SETTINGS_MODULE": "benchmarks.settings",
+            "PGJOBS_LOG_LEVEL": "WARNING",
+        }
+    )
     for name in ("LISTEN_DATABASE_URL", "PGJOBS_TEST_DATABASE_NAME"):
         os.environ.pop(name, None)
     import django
@@ -132,13 +150,15 @@ def headline(key: str, result: dict[str, Any]) -> str:
     if key == "startup":
         return f"{result['wall_s']:.2f} s wall, {result['worker_cpu_s']:.2f} s CPU"
     if key.startswith("w3"):
-        return (f"p50 {result['p50_ms']:.2f} ms, p95 {result['p95_ms']:.2f}, "
-                f"p99 {result['p99_ms']:.2f}")
+        return (
+            f"p50 {result['p50_ms']:.2f} ms, p95 {result['p95_ms']:.2f}, p99 {result['p99_ms']:.2f}"
+        )
     if key.startswith("claim"):
         return f"claim {result['claim_ms']:.3f} ms, + complete {result['claim_complete_ms']:.3f}"
     if key == "naive":
-        return (f"{result['done']:,} of {result['jobs']:,} done, "
-                f"max attempts {result['max_attempts']}")
+        return (
+            f"{result['done']:,} of {result['jobs']:,} done, max attempts {result['max_attempts']}"
+        )
     return ""
 
 
@@ -151,26 +171,39 @@ def main(argv: list[str]) -> int:
     json_path = args.json or RESULTS / f"{stamp}.json"
     log_path = RESULTS / f"{stamp}-workers.log"
     out: dict[str, Any] = {
-        "started": stamp, "sizes": vars(sizes), "skipped": sorted(args.skip),
-        "worker_log_level": args.worker_log_level, "machine": machine(), "git": git_state(),
-        "runs": {}, "rss": None,
+        "started": stamp,
+        "sizes": vars(sizes),
+        "skipped": sorted(args.skip),
+        "worker_log_level": args.worker_log_level,
+        "machine": machine(),
+        "git": git_state(),
+        "runs": {},
+        "rss": None,
     }
     peers_requested = os.environ.get("BENCH_PEERS") == "1"
     out["peers"] = {} if peers_requested else "not requested (BENCH_PEERS=1 adds them)"
 
-    print(f"django-pgjobs benchmark ({'quick' if args.quick else 'default'} sizes): "
-          f"{sizes.runs} interleaved runs, {sizes.jobs:,} jobs per W1/W2 run")
-    print(f"machine: {out['machine']['cpus']} CPUs, {out['machine']['cpu_model']}, "
-          f"Python {out['machine']['python']}")
+    print(
+        f"django-pgjobs benchmark ({'quick' if args.quick else 'default'} sizes): "
+        f"{sizes.runs} interleaved runs, {sizes.jobs:,} jobs per W1/W2 run"
+    )
+    print(
+        f"machine: {out['machine']['cpus']} CPUs, {out['machine']['cpu_model']}, "
+        f"Python {out['machine']['python']}"
+    )
     git = out["git"]
-    print(f"code: {git['commit'][:12]}"
-          + (f" + uncommitted changes in django_pgjobs ({len(git['django_pgjobs_dirty'])} files)"
-             if git["django_pgjobs_dirty"] else ""))
+    print(
+        f"code: {git['commit'][:12]}"
+        + (
+            f" + uncommitted changes in django_pgjobs ({len(git['django_pgjobs_dirty'])} files)"
+            if git["django_pgjobs_dirty"]
+            else ""
+        )
+    )
     bench = None
     peers = None
     code = 0
-    with db.Server(os.environ.get("BENCH_DATABASE_URL")) as server, \
-            open(log_path, "w") as log:
+    with db.Server(os.environ.get("BENCH_DATABASE_URL")) as server, open(log_path, "w") as log:
         try:
             print(f"server: {server.describe()}")
             bench_url = db.recreate(server.url, db.BENCH_DB)
@@ -178,9 +211,14 @@ def main(argv: list[str]) -> int:
             setup_django(bench_url, history_url)
             from benchmarks.workloads import Bench
 
-            bench = Bench(sizes=sizes, bench_url=bench_url, history_url=history_url,
-                          pgbench=db.find_pgbench(server.bindir), log=log,
-                          worker_log_level=args.worker_log_level)
+            bench = Bench(
+                sizes=sizes,
+                bench_url=bench_url,
+                history_url=history_url,
+                pgbench=db.find_pgbench(server.bindir),
+                log=log,
+                worker_log_level=args.worker_log_level,
+            )
             out["server"] = bench.admin.settings()
             out["server"]["pg_cpu_measured"] = bench.cpu is not None
             print("server settings: " + ", ".join(f"{k}={v}" for k, v in out["server"].items()))
@@ -221,8 +259,13 @@ def peer_steps(peers: Any, names: list[str]) -> list[tuple[str, str, Callable[[]
     steps: list[tuple[str, str, Callable[[], Any]]] = []
     for name in names:
         for workload in ("w1", "w2_single", "w2_bulk", "w3"):
-            steps.append((workload[:2], f"peer.{name}.{workload}",
-                          lambda n=name, w=workload: getattr(peers, w)(n)))
+            steps.append(
+                (
+                    workload[:2],
+                    f"peer.{name}.{workload}",
+                    lambda n=name, w=workload: getattr(peers, w)(n),
+                )
+            )
     return steps
 
 
@@ -234,8 +277,10 @@ def run_suite(
         print(f"\nbuilding the history: {sizes.history_rows:,} done rows ...", flush=True)
         built = bench.build_history()
         out["history"] = built
-        print(f"  {built['seconds']:.1f} s, table and indexes "
-              f"{built['table_bytes'] / 1024 / 1024:,.0f} MiB")
+        print(
+            f"  {built['seconds']:.1f} s, table and indexes "
+            f"{built['table_bytes'] / 1024 / 1024:,.0f} MiB"
+        )
     plan: list[tuple[str, str, Callable[[], dict[str, Any]]]] = [
         ("w1", "w1_1x8", lambda: bench.execute(processes=1, concurrency=sizes.concurrency)),
         ("w1", "w1_2x4", lambda: bench.execute(processes=2, concurrency=sizes.concurrency // 2)),
@@ -247,8 +292,11 @@ def run_suite(
         ("w3", "w3_atomic", lambda: bench.wakeup(atomic=True)),
         ("scale", "claim_empty", lambda: bench.claim_latency(history=False)),
         ("scale", "claim_history", lambda: bench.claim_latency(history=True)),
-        ("scale", "w1_1x8_history",
-         lambda: bench.execute(processes=1, concurrency=sizes.concurrency, history=True)),
+        (
+            "scale",
+            "w1_1x8_history",
+            lambda: bench.execute(processes=1, concurrency=sizes.concurrency, history=True),
+        ),
         ("ceiling", "ceiling", bench.ceiling),
         ("ceiling", "naive", bench.naive),
     ]
@@ -271,8 +319,10 @@ def run_suite(
             if result is None:  # a peer without that workload (no bulk enqueue)
                 continue
             runs.setdefault(key, []).append(result)
-            print(f"  {key:<30} {headline(key, result):<55} "
-                  f"({time.monotonic() - started:.1f} s)", flush=True)
+            print(
+                f"  {key:<30} {headline(key, result):<55} ({time.monotonic() - started:.1f} s)",
+                flush=True,
+            )
     if "rss" not in skip:
         print(f"\nlong run: {sizes.rss_jobs:,} jobs, worker RSS every second ...", flush=True)
         out["rss"] = bench.rss()
@@ -283,8 +333,10 @@ def run_suite(
     out["summary"] = [row.as_json() for row in rows]
     out["targets"] = [vars(t) | {"verdict": t.verdict} for t in targets]
     out["ratios"] = dict(report.info_ratios(rows))
-    print(f"\n== results: median and min-max of {sizes.runs} interleaved runs "
-          f"(RSS: one long run) ==\n")
+    print(
+        f"\n== results: median and min-max of {sizes.runs} interleaved runs "
+        f"(RSS: one long run) ==\n"
+    )
     print(report.rows_table(rows))
     print("\n== targets of issue 7 (ratios of medians from this invocation) ==\n")
     print(report.targets_table(targets))

@@ -25,6 +25,12 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         return cls(
-            runs=2, jobs=2_000, latency_jobs=50, claims=50, history_rows=100_000,
-            rss_jobs=20_000, ceiling_jobs=20_000, naive_jobs=2_000,
+            runs=2,
+            jobs=2_000,
+            latency_jobs=50,
+            claims=50,
+            history_rows=100_000,
+            rss_jobs=20_000,
+            ceiling_jobs=20_000,
+            naive_jobs=2_000,
         )

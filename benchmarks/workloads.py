@@ -50,8 +50,14 @@ class Bench:
     """What every workload needs: the databases, the server's CPU meter, where logs go."""
 
     def __init__(
-        self, *, sizes: Sizes, bench_url: str, history_url: str, pgbench: Path | None,
-        log: IO[str], worker_log_level: str,
+        self,
+        *,
+        sizes: Sizes,
+        bench_url: str,
+        history_url: str,
+        pgbench: Path | None,
+        log: IO[str],
+        worker_log_level: str,
     ) -> None:
         self.sizes = sizes
         self.bench_url = bench_url
@@ -89,9 +95,9 @@ class Bench:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=self.log)
 
     @staticmethod
-    def reap(procs: list[subprocess.Popen[bytes]], timeout: float = WORKER_TIMEOUT) -> list[
-        tuple[int, float]
-    ]:
+    def reap(
+        procs: list[subprocess.Popen[bytes]], timeout: float = WORKER_TIMEOUT
+    ) -> list[tuple[int, float]]:
         """Wait for each process; return (exit code, user+system CPU seconds) of each.
 
         ``os.wait4`` gives the child's own rusage (all its threads), read as it is reaped.
@@ -121,9 +127,7 @@ class Bench:
 
     # -- W1 ---------------------------------------------------------------------------------
 
-    def execute(
-        self, *, processes: int, concurrency: int, history: bool = False
-    ) -> dict[str, Any]:
+    def execute(self, *, processes: int, concurrency: int, history: bool = False) -> dict[str, Any]:
         """W1: N pre-enqueued no-op jobs, ``runjobs --burst`` in ``processes`` processes."""
         n = self.sizes.jobs
         admin, alias, url = self._target(history)
@@ -135,8 +139,7 @@ class Bench:
         pg_before = self.server_cpu()
         started = time.monotonic()
         procs = [
-            self.spawn(url, "--burst", "--concurrency", str(concurrency))
-            for _ in range(processes)
+            self.spawn(url, "--burst", "--concurrency", str(concurrency)) for _ in range(processes)
         ]
         results = self.reap(procs)
         wall = time.monotonic() - started
@@ -150,8 +153,12 @@ class Bench:
         span = admin.span(floor)
         self._reset(history)
         return {
-            "jobs": n, "processes": processes, "concurrency": concurrency,
-            "span_s": span, "jobs_per_s": n / span if span else None, "wall_s": wall,
+            "jobs": n,
+            "processes": processes,
+            "concurrency": concurrency,
+            "span_s": span,
+            "jobs_per_s": n / span if span else None,
+            "wall_s": wall,
             "worker_cpu_s": sum(cpu for _code, cpu in results),
             "pg_cpu_s": None if pg_before is None or pg_after is None else pg_after - pg_before,
         }
@@ -160,8 +167,9 @@ class Bench:
         """An empty ``runjobs --burst``: the start-up (and shut-down) cost W1 subtracts."""
         self._reset(False)
         started = time.monotonic()
-        [(code, cpu)] = self.reap([self.spawn(self.bench_url, "--burst", "--concurrency",
-                                              str(self.sizes.concurrency))])
+        [(code, cpu)] = self.reap(
+            [self.spawn(self.bench_url, "--burst", "--concurrency", str(self.sizes.concurrency))]
+        )
         wall = time.monotonic() - started
         if code:
             raise BenchAbort(f"empty burst worker exited with {code}; see the worker log")
@@ -258,9 +266,14 @@ class Bench:
         self._reset(False)
         cuts = statistics.quantiles(latencies, n=100, method="inclusive")
         return {
-            "jobs": len(latencies), "gap_s": sizes.latency_gap, "p50_ms": cuts[49],
-            "p95_ms": cuts[94], "p99_ms": cuts[98], "max_ms": latencies[-1],
-            "min_ms": latencies[0], "latencies_ms": latencies,
+            "jobs": len(latencies),
+            "gap_s": sizes.latency_gap,
+            "p50_ms": cuts[49],
+            "p95_ms": cuts[94],
+            "p99_ms": cuts[98],
+            "max_ms": latencies[-1],
+            "min_ms": latencies[0],
+            "latencies_ms": latencies,
         }
 
     @staticmethod
@@ -310,8 +323,11 @@ class Bench:
         self.history.checkpoint()
         self.history_floor = int(self.history.one("SELECT max(id) FROM pgjobs_job") or 0)
         size = self.history.one("SELECT pg_total_relation_size('pgjobs_job')")
-        return {"rows": self.sizes.history_rows, "seconds": time.monotonic() - started,
-                "table_bytes": size}
+        return {
+            "rows": self.sizes.history_rows,
+            "seconds": time.monotonic() - started,
+            "table_bytes": size,
+        }
 
     def claim_latency(self, *, history: bool) -> dict[str, Any]:
         """``claim(limit=batch)`` then ``complete_many()`` of what it got, ``claims`` times."""
@@ -337,11 +353,13 @@ class Bench:
         admin.check_all_done(n, floor, "claim latency")
         self._reset(history)
         return {
-            "claims": sizes.claims, "batch": sizes.claim_batch,
+            "claims": sizes.claims,
+            "batch": sizes.claim_batch,
             "claim_ms": statistics.median(claim_ms),
             "complete_ms": statistics.median(complete_ms),
-            "claim_complete_ms": statistics.median(a + b for a, b in
-                                                   zip(claim_ms, complete_ms, strict=True)),
+            "claim_complete_ms": statistics.median(
+                a + b for a, b in zip(claim_ms, complete_ms, strict=True)
+            ),
         }
 
     def rss(self) -> dict[str, Any]:
@@ -372,10 +390,14 @@ class Bench:
             raise BenchAbort(f"RSS run: only {len(samples)} samples; use more --rss-jobs")
         values = [v for _t, v in samples]
         return {
-            "jobs": n, "span_s": span, "jobs_per_s": n / span if span else None,
+            "jobs": n,
+            "span_s": span,
+            "jobs_per_s": n / span if span else None,
             "worker_cpu_s": result[0][1],
-            "start_bytes": values[0], "quarter_bytes": values[len(values) // 4],
-            "peak_bytes": max(values), "end_bytes": values[-1],
+            "start_bytes": values[0],
+            "quarter_bytes": values[len(values) // 4],
+            "peak_bytes": max(values),
+            "end_bytes": values[-1],
             "samples": [[round(t, 2), v] for t, v in samples],
         }
 
@@ -396,11 +418,23 @@ class Bench:
         self.admin.run("ANALYZE pgjobs_job")
         self.admin.checkpoint()
         out = self._pgbench(
-            "-M", "prepared", "-t", str(per_client), "-f", str(script),
-            "-D", "queue=default", "-D", f"limit={sizes.claim_batch}",
-            "-D", "lease=300 seconds", "-D", "worker_id=pgbench",
+            "-M",
+            "prepared",
+            "-t",
+            str(per_client),
+            "-f",
+            str(script),
+            "-D",
+            "queue=default",
+            "-D",
+            f"limit={sizes.claim_batch}",
+            "-D",
+            "lease=300 seconds",
+            "-D",
+            "worker_id=pgbench",
             # The worker's own commit setting, so the ceiling is of the same transactions.
-            "-D", "synchronous_commit="
+            "-D",
+            "synchronous_commit="
             + (conf.worker_synchronous_commit() or self.admin.one("SHOW synchronous_commit")),
         )
         done, bad = self.admin.conn.execute(
@@ -408,8 +442,10 @@ class Bench:
             "count(*) FILTER (WHERE status = 'running' OR attempts > 1) FROM pgjobs_job"
         ).fetchone() or (0, 0)
         if bad:
-            raise BenchAbort(f"pgbench ceiling: {bad} jobs running or claimed twice: the "
-                             "script's COMPLETE did not match its CLAIM")
+            raise BenchAbort(
+                f"pgbench ceiling: {bad} jobs running or claimed twice: the "
+                "script's COMPLETE did not match its CLAIM"
+            )
         self._reset(False)
         return {"jobs": n, "done": done, "jobs_per_s": done / out["seconds"], **out}
 
@@ -430,17 +466,29 @@ class Bench:
             "SELECT count(*) FILTER (WHERE status = 'done'), max(attempts) FROM pgjobs_job"
         ).fetchone() or (0, 0)
         self._reset(False)
-        return {"jobs": n, "statements": out["transactions"], "done": done,
-                "max_attempts": top, "seconds": out["seconds"]}
+        return {
+            "jobs": n,
+            "statements": out["transactions"],
+            "done": done,
+            "max_attempts": top,
+            "seconds": out["seconds"],
+        }
 
     def _pgbench(self, *args: str) -> dict[str, Any]:
         command = [
-            str(self.pgbench), "-n", "-c", str(self.sizes.clients),
-            "-j", str(self.sizes.pgbench_threads), *args, self.bench_url,
+            str(self.pgbench),
+            "-n",
+            "-c",
+            str(self.sizes.clients),
+            "-j",
+            str(self.sizes.pgbench_threads),
+            *args,
+            self.bench_url,
         ]
         self.log.write(f"\n$ {' '.join(command)}\n")
-        result = subprocess.run(command, capture_output=True, text=True, check=False,
-                                timeout=WORKER_TIMEOUT)
+        result = subprocess.run(
+            command, capture_output=True, text=True, check=False, timeout=WORKER_TIMEOUT
+        )
         self.log.write(result.stdout + result.stderr)
         self.log.flush()
         if result.returncode != 0:
@@ -450,8 +498,11 @@ class Bench:
         if not processed or not tps:
             raise BenchAbort(f"could not read pgbench's output:\n{result.stdout[-2000:]}")
         transactions = int(processed.group(1))
-        return {"transactions": transactions, "tps": float(tps.group(1)),
-                "seconds": transactions / float(tps.group(1))}
+        return {
+            "transactions": transactions,
+            "tps": float(tps.group(1)),
+            "seconds": transactions / float(tps.group(1)),
+        }
 
     # -- helpers ----------------------------------------------------------------------------
 

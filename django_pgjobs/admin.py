@@ -119,7 +119,13 @@ def _valid(check: Callable[[object], T], value: object) -> T:
 @admin.register(Job)
 class JobAdmin(_JobModelAdmin):
     list_display: Any = (
-        "id", "task", "queue", "status_badge", "attempts_of", "run_at", "created_at",
+        "id",
+        "task",
+        "queue",
+        "status_badge",
+        "attempts_of",
+        "run_at",
+        "created_at",
         "short_error",
     )
     list_filter: ClassVar[Any] = ("status", QueueFilter, TaskFilter)
@@ -131,9 +137,23 @@ class JobAdmin(_JobModelAdmin):
     list_per_page = 50
     ordering: ClassVar[Any] = ("-id",)
     fields = (
-        "id", "task", "queue", "status_badge", "priority", "run_at", "attempts",
-        "max_attempts", "locked_until", "created_at", "started_at", "attempted_at",
-        "finished_at", "worker_ids", "payload_pretty", "result_pretty", "error_full",
+        "id",
+        "task",
+        "queue",
+        "status_badge",
+        "priority",
+        "run_at",
+        "attempts",
+        "max_attempts",
+        "locked_until",
+        "created_at",
+        "started_at",
+        "attempted_at",
+        "finished_at",
+        "worker_ids",
+        "payload_pretty",
+        "result_pretty",
+        "error_full",
         "error_history",
     )
 
@@ -247,7 +267,12 @@ class FailedJobAdmin(JobAdmin):
     """Failed jobs, newest failure first, with the two things a person does to them."""
 
     list_display: Any = (
-        "id", "task", "queue", "attempts_of", "finished_at", "short_error",
+        "id",
+        "task",
+        "queue",
+        "attempts_of",
+        "finished_at",
+        "short_error",
     )
     list_filter = (QueueFilter, TaskFilter)
     ordering = ("-finished_at", "-id")
@@ -368,4 +393,3 @@ def _chart(overview: doctor.Overview) -> dict[str, Any]:
         "total_done": sum(m.done for m in minutes),
         "total_failed": sum(m.failed for m in minutes),
     }
-

@@ -73,13 +73,25 @@ class _Choice(NamedTuple):
 
 
 _CHOICES = (
-    _Choice(key="MODE", allowed=conf.MODES, hint="Use 'lease' (the default) or 'transaction'.",
-            id="pgjobs.E004"),
-    _Choice(key="PREPARE", allowed=(True, False),
-            hint="Use True (the default) or False (behind a transaction-mode pooler without "
-            "prepared-statement support).", id="pgjobs.E013"),
-    _Choice(key="NOTIFY", allowed=conf.NOTIFY_MODES,
-            hint="Use 'auto' (the default), 'background' or 'inline'.", id="pgjobs.E012"),
+    _Choice(
+        key="MODE",
+        allowed=conf.MODES,
+        hint="Use 'lease' (the default) or 'transaction'.",
+        id="pgjobs.E004",
+    ),
+    _Choice(
+        key="PREPARE",
+        allowed=(True, False),
+        hint="Use True (the default) or False (behind a transaction-mode pooler without "
+        "prepared-statement support).",
+        id="pgjobs.E013",
+    ),
+    _Choice(
+        key="NOTIFY",
+        allowed=conf.NOTIFY_MODES,
+        hint="Use 'auto' (the default), 'background' or 'inline'.",
+        id="pgjobs.E012",
+    ),
 )
 
 
@@ -122,9 +134,11 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         value = conf.get(choice.key)
         # The type too: 1 == True, but PREPARE = 1 is a mistake worth naming.
         if not any(value == a and type(value) is type(a) for a in choice.allowed):
-            errors.append(checks.Error(
-                f"PGJOBS[{choice.key!r}] is {value!r}.", hint=choice.hint, id=choice.id
-            ))
+            errors.append(
+                checks.Error(
+                    f"PGJOBS[{choice.key!r}] is {value!r}.", hint=choice.hint, id=choice.id
+                )
+            )
     try:
         validation.synchronous_commit(conf.get("WORKER_SYNCHRONOUS_COMMIT"))
     except InvalidJobOptions as exc:

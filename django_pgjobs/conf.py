@@ -121,7 +121,6 @@ def shutdown_timeout() -> float:
     return float(get("SHUTDOWN_TIMEOUT"))
 
 
-
 def worker_synchronous_commit() -> str | None:
     value = get("WORKER_SYNCHRONOUS_COMMIT")
     return None if value is None else str(value)

@@ -212,13 +212,23 @@ class JobManager(models.Manager["Job"]):
         """
         payload = {} if payload is None else payload
         rows, fields = self._insert(
-            task, [payload], queue=queue, run_at=run_at, delay=delay, priority=priority,
+            task,
+            [payload],
+            queue=queue,
+            run_at=run_at,
+            delay=delay,
+            priority=priority,
             max_attempts=max_attempts,
         )
         job_id, job_run_at, created_at, _notified = rows[0]
         known = {
-            "id": job_id, "payload": payload, "run_at": _timestamp(job_run_at),
-            "created_at": _timestamp(created_at), "attempts": 0, "status": "queued", **fields,
+            "id": job_id,
+            "payload": payload,
+            "run_at": _timestamp(job_run_at),
+            "created_at": _timestamp(created_at),
+            "attempts": 0,
+            "status": "queued",
+            **fields,
         }
         # Every column in order, as a row read back (from_db): Django's positional fast path.
         # The columns enqueue() does not set hold their defaults (NULL, or an empty list).
@@ -245,8 +255,13 @@ class JobManager(models.Manager["Job"]):
         Every payload is validated before anything is written: one bad payload writes none.
         """
         rows, _fields = self._insert(
-            task, list(payloads), queue=queue, run_at=run_at, delay=delay,
-            priority=priority, max_attempts=max_attempts,
+            task,
+            list(payloads),
+            queue=queue,
+            run_at=run_at,
+            delay=delay,
+            priority=priority,
+            max_attempts=max_attempts,
         )
         return [row[0] for row in rows]
 
@@ -285,8 +300,12 @@ class JobManager(models.Manager["Job"]):
         here = not connection.in_atomic_block and (
             conf.get("NOTIFY") == "auto" or not connection.get_autocommit()
         )
-        params = {**fields, "run_at": when, "delay": wait,
-                  "notify_channel": conf.channel() if here else None}
+        params = {
+            **fields,
+            "run_at": when,
+            "delay": wait,
+            "notify_channel": conf.channel() if here else None,
+        }
         if len(texts) == 1:
             rows = sql.run(connection, sql.ENQUEUE_ONE, params | {"payload": texts[0]})
         else:
@@ -335,8 +354,11 @@ class JobManager(models.Manager["Job"]):
             self._hot() if mode == "lease" else (connection, self._commit_mode(connection))
         )
         params = {
-            "queue": queue, "limit": limit, "lease": lease_td,
-            "worker_id": worker_id or default_worker_id(), "synchronous_commit": commit,
+            "queue": queue,
+            "limit": limit,
+            "lease": lease_td,
+            "worker_id": worker_id or default_worker_id(),
+            "synchronous_commit": commit,
         }
         rows = sql.run(target, sql.CLAIM, params)
         return [
@@ -383,9 +405,7 @@ class JobManager(models.Manager["Job"]):
                 + ("" if text is None else f',"result":{text}')
                 + "}"
             )
-        rows = self._fenced(
-            "complete", sql.COMPLETE, claims, {"claims": f"[{','.join(items)}]"}
-        )
+        rows = self._fenced("complete", sql.COMPLETE, claims, {"claims": f"[{','.join(items)}]"})
         return {row[0] for row in rows}
 
     def fail(
@@ -428,12 +448,18 @@ class JobManager(models.Manager["Job"]):
         failures = [errors[job_id] for job_id in fenced["ids"]]
         default = conf.backoff()
         delays = [(backoff or {}).get(job_id, default) for job_id in fenced["ids"]]
-        rows = self._fenced("fail", sql.FAIL, fenced, fenced | {
-            "errors": [_clean_error(f.traceback) for f in failures],
-            "error_classes": [f.exception_class_path for f in failures],
-            "bases": [float(base) for base, _cap in delays],
-            "caps": [float(cap) for _base, cap in delays],
-        })
+        rows = self._fenced(
+            "fail",
+            sql.FAIL,
+            fenced,
+            fenced
+            | {
+                "errors": [_clean_error(f.traceback) for f in failures],
+                "error_classes": [f.exception_class_path for f in failures],
+                "bases": [float(base) for base, _cap in delays],
+                "caps": [float(cap) for _base, cap in delays],
+            },
+        )
         return {row[0]: row[1] for row in rows}
 
     def extend_lease(
@@ -450,9 +476,7 @@ class JobManager(models.Manager["Job"]):
         rows = self._fenced("extend_lease", sql.EXTEND_LEASE, claims, claims | {"lease": lease_td})
         return {row[0] for row in rows}
 
-    def release(
-        self, job_id: int, attempts: int, claimed_at: datetime | None = None
-    ) -> bool:
+    def release(self, job_id: int, attempts: int, claimed_at: datetime | None = None) -> bool:
         """Give back a claimed job that never started: ``queued`` again, attempt not counted.
 
         Pass the claim's ``claimed_at`` (``ClaimedJob.claimed_at``) to fence on that claim
@@ -466,7 +490,10 @@ class JobManager(models.Manager["Job"]):
         return {row[0] for row in self._fenced("release", sql.RELEASE, claims, claims)}
 
     def _fenced(
-        self, action: str, statement: Any, claims: dict[str, list[Any]],
+        self,
+        action: str,
+        statement: Any,
+        claims: dict[str, list[Any]],
         params: dict[str, Any],
     ) -> list[tuple[Any, ...]]:
         """Run one fenced write of ``claims`` with ``params``; return its rows (id first).
@@ -482,7 +509,9 @@ class JobManager(models.Manager["Job"]):
             if job_id not in changed:
                 logger.warning(
                     "%s of job %s (attempt %s) changed nothing: the job is no longer ours",
-                    action, job_id, attempt,
+                    action,
+                    job_id,
+                    attempt,
                     extra={"action": action, "job_id": job_id, "attempts": attempt},
                 )
         return rows
@@ -505,7 +534,8 @@ class JobManager(models.Manager["Job"]):
             notify_on_commit(self.db_alias, queue)
         for job_id, queue in rows:
             logger.info(
-                "retry of job %s: queued again", job_id,
+                "retry of job %s: queued again",
+                job_id,
                 extra={"action": "retry", "job_id": job_id, "queue": queue},
             )
         return sorted(job_id for job_id, _queue in rows)
@@ -524,7 +554,9 @@ class JobManager(models.Manager["Job"]):
             reaped.extend(rows)
             for row in rows:
                 logger.warning(
-                    "reaped job %s (attempt %s): lease expired, now %s", row.id, row.attempts,
+                    "reaped job %s (attempt %s): lease expired, now %s",
+                    row.id,
+                    row.attempts,
                     row.status,
                     extra={"action": "reap", "job_id": row.id, "attempts": row.attempts},
                 )
@@ -547,8 +579,10 @@ class JobManager(models.Manager["Job"]):
         of ``batch_size`` is its own short statement; ``progress`` is called with the running
         total after each. Returns the number of jobs removed.
         """
-        statuses = list(PRUNABLE) if status == "all" else (
-            [status] if isinstance(status, str) else list(status)
+        statuses = (
+            list(PRUNABLE)
+            if status == "all"
+            else ([status] if isinstance(status, str) else list(status))
         )
         bad = [s for s in statuses if s not in PRUNABLE]
         if bad or not statuses:

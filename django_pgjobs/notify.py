@@ -36,6 +36,7 @@ from django_pgjobs import conf, sql
 
 logger = logging.getLogger(__name__)
 
+
 def _failed(queues: Iterable[str]) -> None:
     logger.warning(
         "NOTIFY for queue %s failed after commit; workers will find the jobs by polling",
@@ -68,9 +69,7 @@ class _Notify:
             _failed([self.queue])
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _Notify) and (other.alias, other.queue) == (self.alias, self.queue)
-        )
+        return isinstance(other, _Notify) and (other.alias, other.queue) == (self.alias, self.queue)
 
     def __hash__(self) -> int:
         return hash((self.alias, self.queue))
@@ -270,7 +269,8 @@ class Listener(threading.Thread):
                     conn.execute(sql.listen(channel))
                     if delay:
                         logger.warning(
-                            "LISTEN connection re-established on %s", self.alias,
+                            "LISTEN connection re-established on %s",
+                            self.alias,
                             extra={"action": "listen"},
                         )
                     delay = 0.0
@@ -283,7 +283,9 @@ class Listener(threading.Thread):
                 reason = str(exc).strip()
                 logger.warning(
                     "LISTEN connection to %s lost (%s); reconnecting in %.1f s",
-                    self.alias, reason.splitlines()[0] if reason else type(exc).__name__, delay,
+                    self.alias,
+                    reason.splitlines()[0] if reason else type(exc).__name__,
+                    delay,
                     extra={"action": "listen"},
                 )
                 self._stopping.wait(delay)
@@ -297,4 +299,3 @@ class Listener(threading.Thread):
             if self._probe.is_set():
                 self._probe.clear()
                 conn.execute(sql.PROBE)
-

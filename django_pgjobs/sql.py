@@ -58,15 +58,19 @@ RETURNING id,
 # One INSERT for any number of jobs. The payloads arrive as one JSON array (one parameter,
 # parsed once by the server) rather than a jsonb[] whose every element the client escapes;
 # ids come back in the payloads' order.
-ENQUEUE: LiteralString = """
+ENQUEUE: LiteralString = (
+    """
 INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
 SELECT %(queue)s, %(task)s, p, %(priority)s, %(max_attempts)s,
        coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0'))
 FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS t(p, n)
-""" + _NOTIFY_HERE + """
+"""
+    + _NOTIFY_HERE
+    + """
 ORDER BY n
 RETURNING id
 """
+)
 
 # A hint, never the job: listeners re-run the claim. Sent after the enqueue's commit, once per
 # queue, in one statement for every queue that has news. Its own transaction need not wait
@@ -91,7 +95,8 @@ _COMMIT: LiteralString = """
 # take the same row. The CTE form, not `IN (SELECT ... FOR UPDATE)`, which some plans let
 # lock more rows than the LIMIT (PostgreSQL bug #15715). The ORDER BY matches the partial
 # index pgjobs_job_ready_idx, so the plan is Limit -> LockRows -> Index Scan.
-CLAIM: LiteralString = """
+CLAIM: LiteralString = (
+    """
 WITH next AS (
   SELECT id FROM pgjobs_job
   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now()
@@ -107,29 +112,37 @@ SET status       = 'running',
     attempted_at = now(),
     worker_ids   = j.worker_ids || to_jsonb(%(worker_id)s::text)
 FROM next
-WHERE j.id = next.id""" + _COMMIT + """
+WHERE j.id = next.id"""
+    + _COMMIT
+    + """
 RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts, j.attempted_at
-"""  # noqa: S608 (literals joined; nothing is interpolated)
+"""
+)
 
 # The worker's most frequent write. The claims arrive as one JSON array of objects (id,
 # attempts, claimed_at, result): one text parameter the server parses once, instead of four
 # arrays that psycopg dumps element by element in Python.
-COMPLETE: LiteralString = """
+COMPLETE: LiteralString = (
+    """
 UPDATE pgjobs_job j
 SET status = 'done', locked_until = NULL, finished_at = now(), result = mine.result
 FROM jsonb_to_recordset(%(claims)s::jsonb)
      AS mine(id bigint, attempts int, claimed_at timestamptz, result jsonb)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
+    + _COMMIT
+    + """
 RETURNING j.id
 """
+)
 
 # Back to queued after base * 2^attempts seconds (the seed's 20 s, 40 s, 80 s, 160 s with
 # base 10 s), at most `cap` seconds (an hour by default), or failed for good once the
 # attempts are used up. The exponent is capped so a huge max_attempts cannot overflow the
 # interval (the checks keep base * 2^30 within range). Every failed attempt is kept in
 # `errors` (class path and traceback: django.tasks' TaskError), the latest in last_error.
-FAIL: LiteralString = """
+FAIL: LiteralString = (
+    """
 UPDATE pgjobs_job j
 SET status       = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
     run_at       = now() + least(mine.cap * interval '1 second',
@@ -144,23 +157,31 @@ FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[
             %(caps)s::float8[])
      AS mine(id, attempts, claimed_at, error, error_class, base, cap)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
+    + _COMMIT
+    + """
 RETURNING j.id, j.status, j.run_at
 """
+)
 
 # The heartbeat. A row missing from RETURNING was taken from us: stop treating it as ours.
-EXTEND_LEASE: LiteralString = """
+EXTEND_LEASE: LiteralString = (
+    """
 UPDATE pgjobs_job j
 SET locked_until = now() + %(lease)s::interval
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
      AS mine(id, attempts, claimed_at)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
+    + _COMMIT
+    + """
 RETURNING j.id
 """
+)
 
 # Give back a job that was claimed but never started: the claim's attempt is not counted.
-RELEASE: LiteralString = """
+RELEASE: LiteralString = (
+    """
 UPDATE pgjobs_job j
 SET status       = 'queued',
     attempts     = j.attempts - 1,
@@ -171,9 +192,12 @@ SET status       = 'queued',
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
      AS mine(id, attempts, claimed_at)
 WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)""" + _COMMIT + """
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
+    + _COMMIT
+    + """
 RETURNING j.id
 """
+)
 
 # Expired leases back to queued (or failed once the attempts are used up: a job that kills
 # every worker must not loop forever). The UPDATE re-checks status and lease itself, so a

@@ -35,9 +35,7 @@ def priority(value: object) -> int:
 
 def max_attempts(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidJobOptions(
-            f"Invalid max_attempts {value!r}: use a whole number of 1 or more."
-        )
+        raise InvalidJobOptions(f"Invalid max_attempts {value!r}: use a whole number of 1 or more.")
     return value
 
 

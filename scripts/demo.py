@@ -90,9 +90,7 @@ def psql_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         bool(rows) and all(isinstance(row[i], int | float) or row[i] is None for row in rows)
         for i in range(len(headers))
     ]
-    widths = [
-        max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(headers)
-    ]
+    widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(headers)]
 
     def centred(text: str, width: int) -> str:
         left = (width - len(text)) // 2
@@ -259,8 +257,10 @@ def naive_run(demo_url: str) -> RunResult:
 
     seconds, claimed = race(claim, setup, teardown)
     rows = status_rows(demo_url)
-    print(f"{THREADS} threads x {PER_THREAD:,} naive claims: {claimed:,} claims returned a row "
-          f"in {seconds:.2f} s.")
+    print(
+        f"{THREADS} threads x {PER_THREAD:,} naive claims: {claimed:,} claims returned a row "
+        f"in {seconds:.2f} s."
+    )
     return RunResult("naive UPDATE ... WHERE id = (SELECT ... LIMIT 1)", seconds, rows)
 
 
@@ -284,8 +284,10 @@ def api_run(demo_url: str) -> RunResult:
 
     seconds, claimed = race(claim, setup, teardown)
     rows = status_rows(demo_url)
-    print(f"{THREADS} threads x {PER_THREAD:,} x (Job.objects.claim(limit=1) + complete()): "
-          f"{claimed:,} jobs claimed in {seconds:.2f} s.")
+    print(
+        f"{THREADS} threads x {PER_THREAD:,} x (Job.objects.claim(limit=1) + complete()): "
+        f"{claimed:,} jobs claimed in {seconds:.2f} s."
+    )
     return RunResult("Job.objects.claim() + complete()", seconds, rows)
 
 
@@ -317,8 +319,7 @@ def post_orders() -> float:
         )
         if response.status_code != 201:
             raise DemoFailure(
-                f"POST /orders/ #{i} answered {response.status_code}: "
-                f"{response.content[:500]!r}"
+                f"POST /orders/ #{i} answered {response.status_code}: {response.content[:500]!r}"
             )
         if (i + 1) % 2500 == 0:
             print(f"  {i + 1:>6,} orders placed ({time.perf_counter() - started:.1f} s)")
@@ -328,8 +329,14 @@ def post_orders() -> float:
 def run_worker(demo_url: str) -> tuple[int, float]:
     """Run ``manage.py runjobs --burst`` as a real process; stream its output, prefixed."""
     command = [
-        sys.executable, "manage.py", "runjobs", "--burst", "--concurrency", str(THREADS),
-        "--queue", "emails",
+        sys.executable,
+        "manage.py",
+        "runjobs",
+        "--burst",
+        "--concurrency",
+        str(THREADS),
+        "--queue",
+        "emails",
     ]
     env = {**os.environ, "DATABASE_URL": demo_url, "PYTHONUNBUFFERED": "1"}
     # Per-job INFO lines would bury the demo; warnings and errors still show.
@@ -337,7 +344,12 @@ def run_worker(demo_url: str) -> tuple[int, float]:
     print(f"$ DATABASE_URL={masked(demo_url)} {' '.join(['python', *command[1:]])}")
     started = time.perf_counter()
     proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         errors="replace",
     )
     tail: list[str] = []
@@ -363,8 +375,7 @@ def run_worker(demo_url: str) -> tuple[int, float]:
         proc.kill()
         proc.wait()
         raise DemoFailure(
-            f"The worker was still running after {WORKER_TIMEOUT:.0f} s in --burst mode; "
-            "killed it."
+            f"The worker was still running after {WORKER_TIMEOUT:.0f} s in --burst mode; killed it."
         ) from None
     seconds = time.perf_counter() - started
     reader.join(timeout=10)
@@ -383,12 +394,16 @@ def site_run(demo_url: str) -> SiteResult:
     from testproject.shop.models import Order
 
     reset_jobs(demo_url)
-    print(f"POST /orders/ {JOBS:,} times through Django's test Client: each request saves an "
-          "Order and enqueues")
+    print(
+        f"POST /orders/ {JOBS:,} times through Django's test Client: each request saves an "
+        "Order and enqueues"
+    )
     print("send_confirmation(order_id) on queue 'emails' in the same transaction.")
     enqueue_seconds = post_orders()
-    print(f"Placed {JOBS:,} orders in {enqueue_seconds:.2f} s: "
-          f"{JOBS / enqueue_seconds:,.0f} requests (and enqueues) per second.")
+    print(
+        f"Placed {JOBS:,} orders in {enqueue_seconds:.2f} s: "
+        f"{JOBS / enqueue_seconds:,.0f} requests (and enqueues) per second."
+    )
     print()
 
     if "runjobs" not in get_commands():
@@ -403,8 +418,10 @@ def site_run(demo_url: str) -> SiteResult:
             "SELECT count(*) FROM shop_order WHERE confirmation_sent_at IS NULL"
         ).fetchone()
     unconfirmed = int(unconfirmed_row[0]) if unconfirmed_row else -1
-    print(f"Worker exited with status {returncode} after {worker_seconds:.2f} s "
-          "(wall time, including process start-up).")
+    print(
+        f"Worker exited with status {returncode} after {worker_seconds:.2f} s "
+        "(wall time, including process start-up)."
+    )
     print_status_table(rows)
     result = SiteResult(
         enqueue_seconds=enqueue_seconds,
@@ -417,12 +434,18 @@ def site_run(demo_url: str) -> SiteResult:
         returncode=returncode,
     )
     orders = Order.objects.count()
-    print(f"done {result.done:,}, failed {result.failed:,}, not finished {result.other:,}; "
-          f"max attempts {result.max_attempts}.")
-    print(f"{result.done / worker_seconds:,.0f} jobs per second "
-          f"({THREADS} worker threads, one process).")
-    print(f"Orders: {orders:,}; confirmation_sent_at set on {orders - unconfirmed:,}, "
-          f"missing on {unconfirmed:,}.")
+    print(
+        f"done {result.done:,}, failed {result.failed:,}, not finished {result.other:,}; "
+        f"max attempts {result.max_attempts}."
+    )
+    print(
+        f"{result.done / worker_seconds:,.0f} jobs per second "
+        f"({THREADS} worker threads, one process)."
+    )
+    print(
+        f"Orders: {orders:,}; confirmation_sent_at set on {orders - unconfirmed:,}, "
+        f"missing on {unconfirmed:,}."
+    )
     return result
 
 
@@ -457,8 +480,10 @@ def main() -> int:
     )
 
     print()
-    print("Now the same race with django-pgjobs (CTE ... FOR UPDATE SKIP LOCKED), after "
-          "TRUNCATE pgjobs_job:")
+    print(
+        "Now the same race with django-pgjobs (CTE ... FOR UPDATE SKIP LOCKED), after "
+        "TRUNCATE pgjobs_job:"
+    )
     reset_jobs(demo_url)
     enqueue_noops()
     api = api_run(demo_url)
@@ -469,8 +494,10 @@ def main() -> int:
     )
     if naive.count("done") == JOBS and naive.max_attempts("done") <= 1:
         print()
-        say("(Note: this time the naive claim happened not to double-claim; the race depends on "
-            "timing. Run the demo again to see it.)")
+        say(
+            "(Note: this time the naive claim happened not to double-claim; the race depends on "
+            "timing. Run the demo again to see it.)"
+        )
     if api.count("done") != JOBS or api.max_attempts("done") != 1 or len(api.rows) != 1:
         raise DemoFailure(
             f"The API run should leave {JOBS:,} jobs done with max_attempts 1, and nothing "
@@ -493,14 +520,20 @@ def main() -> int:
 
     total = time.perf_counter() - total_started
     section("Summary")
-    print(f"  naive claim      : {naive.count('done'):>6,} of {JOBS:,} jobs done, "
-          f"max attempts {naive.max_attempts('done')}, {naive.seconds:6.2f} s")
-    print(f"  Job.objects.claim: {api.count('done'):>6,} of {JOBS:,} jobs done, "
-          f"max attempts {api.max_attempts('done')}, {api.seconds:6.2f} s "
-          f"({JOBS / api.seconds:,.0f} claim+complete/s)")
-    print(f"  real site        : {JOBS:,} orders in {site.enqueue_seconds:.2f} s "
-          f"({JOBS / site.enqueue_seconds:,.0f}/s); worker drained {site.done:,} in "
-          f"{site.worker_seconds:.2f} s ({site.done / site.worker_seconds:,.0f} jobs/s)")
+    print(
+        f"  naive claim      : {naive.count('done'):>6,} of {JOBS:,} jobs done, "
+        f"max attempts {naive.max_attempts('done')}, {naive.seconds:6.2f} s"
+    )
+    print(
+        f"  Job.objects.claim: {api.count('done'):>6,} of {JOBS:,} jobs done, "
+        f"max attempts {api.max_attempts('done')}, {api.seconds:6.2f} s "
+        f"({JOBS / api.seconds:,.0f} claim+complete/s)"
+    )
+    print(
+        f"  real site        : {JOBS:,} orders in {site.enqueue_seconds:.2f} s "
+        f"({JOBS / site.enqueue_seconds:,.0f}/s); worker drained {site.done:,} in "
+        f"{site.worker_seconds:.2f} s ({site.done / site.worker_seconds:,.0f} jobs/s)"
+    )
     print(f"  demo database    : {masked(demo_url)} (kept, unless on a throwaway server)")
     print(f"  total time       : {total:.1f} s")
     if problems:

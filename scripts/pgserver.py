@@ -140,8 +140,16 @@ class ThrowawayPostgres:
                 for path in (self.root, self.data, self.log):
                     os.chown(path, entry.pw_uid, entry.pw_gid)
             self._run(
-                "initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                "-E", "UTF8", "--no-sync", "--locale=C",
+                "initdb",
+                "-D",
+                str(self.data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+                "--locale=C",
             )
         options = (
             f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
@@ -172,7 +180,9 @@ class ThrowawayPostgres:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.destroy()

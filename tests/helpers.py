@@ -26,8 +26,20 @@ NOOP = "testproject.testjobs.noop"
 TIME_COLUMNS = ("run_at", "locked_until", "created_at", "started_at", "finished_at")
 PLAIN_COLUMNS = ("queue", "status", "priority", "attempts", "max_attempts", "last_error")
 COLUMNS = (
-    "id", "queue", "task", "payload", "status", "priority", "run_at", "attempts",
-    "max_attempts", "locked_until", "last_error", "created_at", "started_at", "finished_at",
+    "id",
+    "queue",
+    "task",
+    "payload",
+    "status",
+    "priority",
+    "run_at",
+    "attempts",
+    "max_attempts",
+    "locked_until",
+    "last_error",
+    "created_at",
+    "started_at",
+    "finished_at",
 )
 
 
@@ -67,7 +79,10 @@ def _values(
 
 
 def make_job(
-    *, task: str = NOOP, payload: dict[str, Any] | None = None, using: str = "default",
+    *,
+    task: str = NOOP,
+    payload: dict[str, Any] | None = None,
+    using: str = "default",
     **fields: Any,
 ) -> int:
     """Insert one job in any state and return its id; unset columns take the table defaults.
@@ -150,8 +165,9 @@ def status_counts(using: str = "default") -> dict[str, int]:
 def statement_timeout(seconds: float, using: str = "default") -> Iterator[None]:
     """Make a statement that would wait on someone else's lock fail after ``seconds``."""
     with connections[using].cursor() as cursor:
-        cursor.execute("SELECT set_config('statement_timeout', %s, false)",
-                       [f"{int(seconds * 1000)}ms"])
+        cursor.execute(
+            "SELECT set_config('statement_timeout', %s, false)", [f"{int(seconds * 1000)}ms"]
+        )
     try:
         yield
     finally:
@@ -169,9 +185,7 @@ def raw_connect(using: str = "default") -> psycopg.Connection[Any]:
         "host": settings.get("HOST") or None,
         "port": settings.get("PORT") or None,
     }
-    return psycopg.connect(
-        **{k: v for k, v in params.items() if v is not None}, autocommit=True
-    )
+    return psycopg.connect(**{k: v for k, v in params.items() if v is not None}, autocommit=True)
 
 
 @contextlib.contextmanager

@@ -50,8 +50,19 @@ APP_INDEX = reverse("admin:app_list", kwargs={"app_label": "django_pgjobs"})
 LOGIN = reverse("admin:login")
 EDITABLE = {"queue", "priority", "run_at", "max_attempts"}
 NOT_EDITABLE = (
-    "id", "task", "status_badge", "attempts", "locked_until", "created_at", "started_at",
-    "attempted_at", "finished_at", "worker_ids", "payload_pretty", "result_pretty", "error_full",
+    "id",
+    "task",
+    "status_badge",
+    "attempts",
+    "locked_until",
+    "created_at",
+    "started_at",
+    "attempted_at",
+    "finished_at",
+    "worker_ids",
+    "payload_pretty",
+    "result_pretty",
+    "error_full",
     "error_history",
 )
 SCRIPT = "<script>alert(1)</script>"
@@ -153,7 +164,8 @@ def assert_no_table_scan(statement: str, params: Any = None) -> set[str]:
     """No sequential scan of pgjobs_job in the plan; return the indexes the plan reads."""
     nodes = explain(statement, params)
     scans = [
-        node for node in nodes
+        node
+        for node in nodes
         if node["Node Type"] == "Seq Scan" and node.get("Relation Name") == "pgjobs_job"
     ]
     assert not scans, f"full scan of pgjobs_job in the plan of:\n{statement}\n{nodes}"
@@ -173,7 +185,7 @@ class JobListTests(TestCase):
 
     def test_columns_show_each_field_and_a_coloured_status(self) -> None:
         long_line = "RuntimeError: " + "the remote end hung up " * 8
-        error = f"Traceback (most recent call last):\n  File \"x.py\", line 1\n{long_line}"
+        error = f'Traceback (most recent call last):\n  File "x.py", line 1\n{long_line}'
         times = {"run_at": "2031-02-03 04:05:00+00", "created_at": "2030-01-02 03:04:00+00"}
         jobs = {
             "queued": make_job(queue="emails", max_attempts=4, **times),
@@ -198,8 +210,13 @@ class JobListTests(TestCase):
             # No error: an empty cell (Django 4.2) or the admin's empty-value dash (5.0 on).
             cells[-1] = "" if cells[-1] == "-" else cells[-1]
             assert cells == [
-                str(job_id), expected[status][0], expected[status][1], status,
-                expected[status][2], "Feb. 3, 2031, 4:05 a.m.", "Jan. 2, 2030, 3:04 a.m.",
+                str(job_id),
+                expected[status][0],
+                expected[status][1],
+                status,
+                expected[status][2],
+                "Feb. 3, 2031, 4:05 a.m.",
+                "Jan. 2, 2030, 3:04 a.m.",
                 expected[status][3],
             ]
             assert f'href="{job_url(job_id)}"' in row[1]
@@ -218,7 +235,8 @@ class JobListTests(TestCase):
 
         assert listed(self.client.get(JOBS)) == [done, failed_default, failed_email, queued]
         assert listed(self.client.get(JOBS, {"status__exact": "failed"})) == [
-            failed_default, failed_email,
+            failed_default,
+            failed_email,
         ]
         assert listed(self.client.get(JOBS, {"status__exact": "done"})) == [done]
         assert listed(self.client.get(JOBS, {"queue": "emails"})) == [failed_email, queued]
@@ -258,11 +276,17 @@ class JobDetailTests(TestCase):
 
     def test_payload_is_pretty_json_and_the_error_is_shown_in_full(self) -> None:
         payload = {"user": {"id": 7, "tags": ["a", "b"]}, "amount": 12.5, "note": "café"}
-        error = "Traceback (most recent call last):\n" + "".join(
-            f'  File "step{i}.py", line {i}, in step{i}\n' for i in range(30)
-        ) + "RuntimeError: " + "x" * 300
+        error = (
+            "Traceback (most recent call last):\n"
+            + "".join(f'  File "step{i}.py", line {i}, in step{i}\n' for i in range(30))
+            + "RuntimeError: "
+            + "x" * 300
+        )
         job_id = make_job(
-            status="failed", attempts=5, payload=payload, last_error=error,
+            status="failed",
+            attempts=5,
+            payload=payload,
+            last_error=error,
             finished_at=timedelta(minutes=-1),
         )
         page = self.client.get(job_url(job_id)).content.decode()
@@ -305,19 +329,32 @@ class JobDetailTests(TestCase):
         self.client.get(job_url(job_id))
 
         # Fields that are not editable are posted too: the form must ignore them.
-        response = self.client.post(job_url(job_id), edit_form(
-            job_id, queue="reports", priority="7", status="done", attempts="4",
-            task=BOOM, payload='{"n": 2}', last_error="", locked_until_0="2030-01-01",
-        ), follow=True)
+        response = self.client.post(
+            job_url(job_id),
+            edit_form(
+                job_id,
+                queue="reports",
+                priority="7",
+                status="done",
+                attempts="4",
+                task=BOOM,
+                payload='{"n": 2}',
+                last_error="",
+                locked_until_0="2030-01-01",
+            ),
+            follow=True,
+        )
         assert response.redirect_chain == [(JOBS, 302)], response.content.decode()
         assert [level for level, _text in messages_of(response)] == ["success"]
         after = job_row(job_id)
         assert (after["queue"], after["priority"]) == ("reports", 7)
         assert after == {**before, "queue": "reports", "priority": 7}
 
-        response = self.client.post(job_url(job_id), edit_form(
-            job_id, run_at_0="2031-05-06", run_at_1="07:08:09", max_attempts="9"
-        ), follow=True)
+        response = self.client.post(
+            job_url(job_id),
+            edit_form(job_id, run_at_0="2031-05-06", run_at_1="07:08:09", max_attempts="9"),
+            follow=True,
+        )
         later = job_row(job_id)
         assert later["run_at"].isoformat() == "2031-05-06T07:08:09+00:00"
         assert later == {**after, "run_at": later["run_at"], "max_attempts": 9}
@@ -329,7 +366,8 @@ class JobDetailTests(TestCase):
         # A worker claims it while the page is open.
         query(
             "UPDATE pgjobs_job SET status = 'running', attempts = 1, "
-            "locked_until = now() + interval '5 minutes' WHERE id = %s RETURNING id", [job_id]
+            "locked_until = now() + interval '5 minutes' WHERE id = %s RETURNING id",
+            [job_id],
         )
         before = job_row(job_id)
 
@@ -347,8 +385,12 @@ class JobDetailTests(TestCase):
         job_id = make_job()
         before = job_row(job_id)
         for changes in (
-            {"priority": "101"}, {"priority": "-101"}, {"max_attempts": "0"},
-            {"queue": "no spaces allowed"}, {"queue": ""}, {"run_at_0": "", "run_at_1": ""},
+            {"priority": "101"},
+            {"priority": "-101"},
+            {"max_attempts": "0"},
+            {"queue": "no spaces allowed"},
+            {"queue": ""},
+            {"run_at_0": "", "run_at_1": ""},
         ):
             response = self.client.post(job_url(job_id), edit_form(job_id, **changes))
             assert response.status_code == 200, changes
@@ -373,7 +415,8 @@ class ConcurrentEditTests(TransactionTestCase):
             wait_until(
                 lambda: scalar(
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query LIKE %s", ['UPDATE "pgjobs_job" SET "queue"%'],
+                    "AND query LIKE %s",
+                    ['UPDATE "pgjobs_job" SET "queue"%'],
                 ),
                 message="the admin's UPDATE to wait for the worker's lock",
             )
@@ -397,8 +440,12 @@ class EscapingTests(TestCase):
     def test_payload_error_and_task_are_text_on_every_page(self) -> None:
         self.client.force_login(User.objects.create_superuser("root", password="pw"))
         job_id = make_job(
-            status="failed", attempts=1, task="tests.<i>evil</i>", payload={"note": SCRIPT},
-            last_error=BOLD, finished_at=timedelta(minutes=-1),
+            status="failed",
+            attempts=1,
+            task="tests.<i>evil</i>",
+            payload={"note": SCRIPT},
+            last_error=BOLD,
+            finished_at=timedelta(minutes=-1),
         )
         pages = {
             "list": self.client.get(JOBS).content.decode(),
@@ -449,16 +496,24 @@ class RetryTests(TransactionTestCase):
         failed = {
             "emails": [
                 make_job(
-                    queue="emails", status="failed", attempts=5, last_error=f"err {n}",
-                    run_at=timedelta(hours=-3), finished_at=timedelta(hours=-2),
+                    queue="emails",
+                    status="failed",
+                    attempts=5,
+                    last_error=f"err {n}",
+                    run_at=timedelta(hours=-3),
+                    finished_at=timedelta(hours=-2),
                     locked_until=timedelta(hours=-2),
                 )
                 for n in range(3)
             ],
             "reports": [
                 make_job(
-                    queue="reports", status="failed", attempts=2, max_attempts=2,
-                    last_error="err", finished_at=timedelta(minutes=-1),
+                    queue="reports",
+                    status="failed",
+                    attempts=2,
+                    max_attempts=2,
+                    last_error="err",
+                    finished_at=timedelta(minutes=-1),
                 )
             ],
         }
@@ -487,14 +542,18 @@ class RetryTests(TransactionTestCase):
     def test_a_job_no_longer_failed_is_left_alone_and_the_page_says_so(self) -> None:
         failed = make_job(queue="emails", status="failed", attempts=5, last_error="err")
         finished = make_job(
-            queue="reports", status="failed", attempts=5, last_error="err",
+            queue="reports",
+            status="failed",
+            attempts=5,
+            last_error="err",
             finished_at=timedelta(minutes=-10),
         )
         self.client.get(FAILED)
         # Someone retried it and a worker finished it while the page was open.
         query(
             "UPDATE pgjobs_job SET status = 'done', attempts = 1, finished_at = now() "
-            "WHERE id = %s RETURNING id", [finished],
+            "WHERE id = %s RETURNING id",
+            [finished],
         )
         finished_before = job_row(finished)
 
@@ -512,8 +571,10 @@ class RetryTests(TransactionTestCase):
 
     def test_retry_of_jobs_none_of_which_are_failed_changes_nothing(self) -> None:
         gone = make_job(status="failed", attempts=5)
-        query("UPDATE pgjobs_job SET status = 'queued', attempts = 0 WHERE id = %s "
-              "RETURNING id", [gone])
+        query(
+            "UPDATE pgjobs_job SET status = 'queued', attempts = 0 WHERE id = %s RETURNING id",
+            [gone],
+        )
         before = job_row(gone)
         with listening() as listener:
             response = self.act("retry_selected", [gone])
@@ -530,10 +591,14 @@ class RetryTests(TransactionTestCase):
         queued = make_job()
         done = make_job(status="done", attempts=1)
 
-        confirm = self.client.post(FAILED, {
-            "action": "delete_selected", "index": "0",
-            "_selected_action": [str(i) for i in [*doomed, queued, done]],
-        })
+        confirm = self.client.post(
+            FAILED,
+            {
+                "action": "delete_selected",
+                "index": "0",
+                "_selected_action": [str(i) for i in [*doomed, queued, done]],
+            },
+        )
         assert confirm.status_code == 200
         assert "Are you sure" in confirm.content.decode()
         assert scalar("SELECT count(*) FROM pgjobs_job") == 5
@@ -559,9 +624,15 @@ class PermissionTests(TestCase):
         return {name for name, _label in form.fields["action"].choices if name} if form else set()
 
     def post_action(self, client: Client, action: str) -> None:
-        client.post(FAILED, {
-            "action": action, "index": "0", "_selected_action": [str(self.failed)], "post": "yes",
-        })
+        client.post(
+            FAILED,
+            {
+                "action": action,
+                "index": "0",
+                "_selected_action": [str(self.failed)],
+                "post": "yes",
+            },
+        )
 
     def test_view_only_staff_see_no_action_and_cannot_run_one(self) -> None:
         client = client_for(make_user("viewer", "view_failedjob", "view_job"))
@@ -604,16 +675,17 @@ class PermissionTests(TestCase):
         secret = make_job(payload={"token": "s3cr3t-token"})
         client = client_for(make_user("watcher", "view_queuedashboard"))
         assert client.get(DASHBOARD).status_code == 200
-        for page in (f"{DASHBOARD}{secret}/change/", f"{DASHBOARD}{secret}/history/",
-                     job_url(secret)):
+        for page in (
+            f"{DASHBOARD}{secret}/change/",
+            f"{DASHBOARD}{secret}/history/",
+            job_url(secret),
+        ):
             response = client.get(page, follow=True)
             assert "s3cr3t-token" not in response.content.decode(), page
             assert response.status_code in (403, 404), page
 
     def test_failure_links_on_the_dashboard_open_for_whoever_may_see_it(self) -> None:
-        make_job(
-            status="failed", attempts=5, finished_at=timedelta(minutes=-1), last_error="err"
-        )
+        make_job(status="failed", attempts=5, finished_at=timedelta(minutes=-1), last_error="err")
         viewer = client_for(make_user("viewer", "view_job"))
         page = viewer.get(DASHBOARD).content.decode()
         links = re.findall(r'<a href="([^"]+)">\d+</a>', table(page, "pgjobs-failures")[0][0])
@@ -660,8 +732,12 @@ class DashboardTests(TestCase):
         five_ago = scalar("SELECT date_trunc('minute', now()) - interval '5 minutes'")
         recent_failures = [
             make_job(
-                queue="emails", status="failed", attempts=3, task=BOOM,
-                last_error=f"RuntimeError: smtp {n}", finished_at=five_ago + timedelta(seconds=n),
+                queue="emails",
+                status="failed",
+                attempts=3,
+                task=BOOM,
+                last_error=f"RuntimeError: smtp {n}",
+                finished_at=five_ago + timedelta(seconds=n),
             )
             for n in range(2)
         ]
@@ -671,7 +747,10 @@ class DashboardTests(TestCase):
         # reports: 1 ready for 10 s, 1 failed two days ago, 2 done a minute ago.
         make_job(queue="reports", run_at=timedelta(seconds=-10))
         old_failure = make_job(
-            queue="reports", status="failed", attempts=1, last_error="old",
+            queue="reports",
+            status="failed",
+            attempts=1,
+            last_error="old",
             finished_at=timedelta(days=-2),
         )
         for _ in range(2):
@@ -689,7 +768,8 @@ class DashboardTests(TestCase):
         assert page.count('<rect class="failed"') == 60
         assert "5 done and 2 failed between" in page
         for offset, label in (
-            (ago[10], "3 done, 0 failed"), (ago[5], "0 done, 2 failed"),
+            (ago[10], "3 done, 0 failed"),
+            (ago[5], "0 done, 2 failed"),
             (ago[1], "2 done, 0 failed"),
         ):
             assert f"<title>{self.minute(offset)} UTC: {label}</title>" in page, label
@@ -697,7 +777,8 @@ class DashboardTests(TestCase):
         heights = [float(h) for h in re.findall(r'<rect class="done"[^>]* height="([^"]+)"', page)]
         # The busiest minute (3 done) fills the chart; two done fill two thirds of it.
         assert sorted(h for h in heights if h) == [
-            round((CHART_HEIGHT - CHART_TOP) * 2 / 3, 1), CHART_HEIGHT - CHART_TOP,
+            round((CHART_HEIGHT - CHART_TOP) * 2 / 3, 1),
+            CHART_HEIGHT - CHART_TOP,
         ]
         assert f"{self.minute(timedelta(minutes=-59))}</text>" in page
         assert f"{self.minute(timedelta(0))}</text>" in page
@@ -708,7 +789,9 @@ class DashboardTests(TestCase):
         for row, job_id in zip(failures, newest_first, strict=True):
             assert f'<a href="{job_url(job_id)}">{job_id}</a>' in row[0]
         assert [text(row[5]) for row in failures] == [
-            "RuntimeError: smtp 1", "RuntimeError: smtp 0", "old",
+            "RuntimeError: smtp 1",
+            "RuntimeError: smtp 0",
+            "old",
         ]
         assert [text(row[1]) for row in failures[:2]] == [BOOM, BOOM]
 
@@ -754,7 +837,11 @@ class CheapQueryTests(TransactionTestCase):
             make_job(queue=queue, run_at=timedelta(hours=1))
             make_job(queue=queue, status="running", attempts=1, locked_until=timedelta(minutes=5))
             make_job(
-                queue=queue, status="failed", attempts=5, task=BOOM, last_error="boom",
+                queue=queue,
+                status="failed",
+                attempts=5,
+                task=BOOM,
+                last_error="boom",
                 finished_at=timedelta(minutes=-3),
             )
         with connection.cursor() as cursor:
@@ -792,13 +879,14 @@ class CheapQueryTests(TransactionTestCase):
     def test_the_unfiltered_job_list_counts_nothing(self) -> None:
         def bare_counts(statements: list[str]) -> list[str]:
             return [
-                s for s in statements
+                s
+                for s in statements
                 if re.search(r'COUNT\(\*\).* FROM "pgjobs_job"', s, re.I)
                 and " WHERE " not in s.upper()
             ]
 
         def counts(statements: list[str]) -> list[str]:
-            return [s for s in statements if re.search(r'COUNT\(\*\)', s, re.I)]
+            return [s for s in statements if re.search(r"COUNT\(\*\)", s, re.I)]
 
         sent = self.pages_queries(JOBS)
         assert bare_counts(sent) == [], bare_counts(sent)

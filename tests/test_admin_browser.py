@@ -32,8 +32,14 @@ ARTIFACT = REPO / "artifacts" / "dashboard.png"
 CHROMIUM = Path(os.environ.get("PGJOBS_CHROMIUM", "/usr/bin/chromium"))
 # The machine may have no network: nothing in the browser may try to reach one.
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 PASSWORD = "a-browser-test-password"
 
@@ -64,9 +70,18 @@ class Server:
         with open(self.log_path, "wb") as log:
             # --insecure: serve the admin's CSS and JS with DEBUG off, as runserver can.
             self.popen = subprocess.Popen(
-                [sys.executable, "manage.py", "runserver", "--noreload", "--insecure",
-                 f"127.0.0.1:{port}"],
-                cwd=REPO, env=environ, stdin=subprocess.DEVNULL, stdout=log,
+                [
+                    sys.executable,
+                    "manage.py",
+                    "runserver",
+                    "--noreload",
+                    "--insecure",
+                    f"127.0.0.1:{port}",
+                ],
+                cwd=REPO,
+                env=environ,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
                 stderr=subprocess.STDOUT,
             )
 
@@ -126,16 +141,30 @@ def server(transactional_db: None, tmp_path: Path) -> Iterator[Server]:
 def fill_the_dashboard() -> None:
     """An hour of work on three queues, so the screenshot shows every part of the page."""
     for minutes, count in ((2, 12), (5, 20), (9, 7), (14, 25), (20, 16), (31, 30), (44, 9)):
-        make_jobs(count, queue="emails", status="done", attempts=1,
-                  finished_at=timedelta(minutes=-minutes))
-        make_jobs(count // 2, queue="reports", status="done", attempts=1,
-                  finished_at=timedelta(minutes=-minutes - 1))
+        make_jobs(
+            count,
+            queue="emails",
+            status="done",
+            attempts=1,
+            finished_at=timedelta(minutes=-minutes),
+        )
+        make_jobs(
+            count // 2,
+            queue="reports",
+            status="done",
+            attempts=1,
+            finished_at=timedelta(minutes=-minutes - 1),
+        )
     make_jobs(6, queue="emails", run_at=timedelta(seconds=-95))
     make_jobs(3, queue="reports", run_at=timedelta(hours=2))
     make_jobs(2, queue="default", status="running", attempts=1, locked_until=timedelta(minutes=5))
     make_job(
-        queue="reports", status="failed", attempts=2, max_attempts=2,
-        task="testproject.testjobs.boom", last_error="RuntimeError: report 7 <b>timed out</b>",
+        queue="reports",
+        status="failed",
+        attempts=2,
+        max_attempts=2,
+        task="testproject.testjobs.boom",
+        last_error="RuntimeError: report 7 <b>timed out</b>",
         finished_at=timedelta(minutes=-7),
     )
 
@@ -143,12 +172,20 @@ def fill_the_dashboard() -> None:
 def test_log_in_retry_a_failed_job_and_see_the_dashboard(playwright: Any, server: Server) -> None:
     User.objects.create_superuser("operator", "ops@example.com", PASSWORD)
     failed = make_job(
-        queue="emails", status="failed", attempts=3, max_attempts=3,
-        task="testproject.testjobs.boom", last_error="RuntimeError: smtp refused",
+        queue="emails",
+        status="failed",
+        attempts=3,
+        max_attempts=3,
+        task="testproject.testjobs.boom",
+        last_error="RuntimeError: smtp refused",
         finished_at=timedelta(minutes=-3),
     )
     other = make_job(
-        queue="emails", status="failed", attempts=3, max_attempts=3, last_error="keep me",
+        queue="emails",
+        status="failed",
+        attempts=3,
+        max_attempts=3,
+        last_error="keep me",
         finished_at=timedelta(minutes=-4),
     )
     fill_the_dashboard()

@@ -110,7 +110,11 @@ def test_bad_setting_is_reported(pgjobs: Any, check_id: str) -> None:
 def test_several_errors_are_all_reported() -> None:
     with override_settings(PGJOBS={"MODE": "x", "CONCURRENCY": 0, "QUEUE": "a b", "X": 1}):
         assert sorted(ids(run_all())) == [
-            "pgjobs.E002", "pgjobs.E003", "pgjobs.E004", "pgjobs.E005"]
+            "pgjobs.E002",
+            "pgjobs.E003",
+            "pgjobs.E004",
+            "pgjobs.E005",
+        ]
 
 
 def test_checks_are_registered_with_django() -> None:
@@ -128,8 +132,9 @@ def test_non_postgresql_alias_is_reported() -> None:
     # Django warns that DATABASES overrides do not reach open connections: the check only
     # reads the setting, so that is fine here.
     for key in ("DATABASE", "LISTEN_DATABASE"):
-        with pytest.warns(UserWarning, match="DATABASES"), override_settings(
-            DATABASES=databases, PGJOBS={key: "sqlite"}
+        with (
+            pytest.warns(UserWarning, match="DATABASES"),
+            override_settings(DATABASES=databases, PGJOBS={key: "sqlite"}),
         ):
             errors = run_all()
         assert ids(errors) == ["pgjobs.E010"]

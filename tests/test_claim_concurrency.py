@@ -94,10 +94,13 @@ class SkipLockedTests(TransactionTestCase):
             # still queued, and A's session sits idle in transaction.
             assert a.is_alive()
             assert job_row(first)["status"] == "queued"
-            assert scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND state = 'idle in transaction'"
-            ) == 1
+            assert (
+                scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND state = 'idle in transaction'"
+                )
+                == 1
+            )
         finally:
             release.set()
         a_held = a.result()

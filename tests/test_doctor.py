@@ -28,7 +28,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 SCALE_FACTOR = "autovacuum_vacuum_scale_factor=0.01"
 
 
-
 class Diagnosis:
     """One run of ``jobsdoctor``: its exit status, its output and its PROBLEM lines."""
 
@@ -103,8 +102,13 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
         holder.execute("BEGIN")
         held = holder.execute(
             sql.CLAIM,
-            {"queue": "default", "limit": 1, "lease": timedelta(minutes=5),
-             "worker_id": "doctor-test", "synchronous_commit": None},
+            {
+                "queue": "default",
+                "limit": 1,
+                "lease": timedelta(minutes=5),
+                "worker_id": "doctor-test",
+                "synchronous_commit": None,
+            },
         ).fetchall()
         assert len(held) == 1
         try:
@@ -113,8 +117,12 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
             worker = workers.burst("--concurrency", "4", timeout=120)
             assert ran(worker) == 2000
             # The default --idle-threshold is 5 s.
-            wait_until(lambda: seconds_idle(pid) > 5.5, timeout=15, interval=0.2,
-                       message="the holder to be idle in transaction for 5 s")
+            wait_until(
+                lambda: seconds_idle(pid) > 5.5,
+                timeout=15,
+                interval=0.2,
+                message="the holder to be idle in transaction for 5 s",
+            )
 
             report = Diagnosis(workers, "--transaction-threshold", "1")
 
@@ -168,10 +176,13 @@ def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
                     "ON pgjobs_job ((payload->>'k'))"
                 )
             # The failed build left the index behind, invalid.
-            assert scalar(
-                "SELECT indisvalid FROM pg_index "
-                "WHERE indexrelid = 'pgjobs_job_dupe_idx'::regclass"
-            ) is False
+            assert (
+                scalar(
+                    "SELECT indisvalid FROM pg_index "
+                    "WHERE indexrelid = 'pgjobs_job_dupe_idx'::regclass"
+                )
+                is False
+            )
 
             report = Diagnosis(workers)
 
@@ -182,9 +193,7 @@ def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
                 "pgjobs_job_dupe_idx; then build it again."
             ], report
             assert "Invalid indexes: pgjobs_job_dupe_idx" in report.output
-            assert Diagnosis(workers, "--json").json()["invalid_indexes"] == [
-                "pgjobs_job_dupe_idx"
-            ]
+            assert Diagnosis(workers, "--json").json()["invalid_indexes"] == ["pgjobs_job_dupe_idx"]
         finally:
             conn.execute("DROP INDEX CONCURRENTLY IF EXISTS pgjobs_job_dupe_idx")
     healthy(workers)
@@ -217,7 +226,8 @@ def test_expired_leases_lag_and_a_reset_autovacuum_setting_in_text_and_json(
     # Only the queue past --lag-threshold: emails waited 10 minutes, reports 30 s.
     found = re.fullmatch(
         r"queue emails: the oldest ready job has waited (\d+) s \(2 ready\): workers are not "
-        r"keeping up or not running\.", lag,
+        r"keeping up or not running\.",
+        lag,
     )
     assert found, lag
     assert 600 <= int(found.group(1)) < 660
@@ -246,8 +256,10 @@ def test_expired_leases_lag_and_a_reset_autovacuum_setting_in_text_and_json(
     assert 30 <= queues["reports"]["lag_seconds"] < 90
 
     # Each problem goes away with its cause.
-    query("UPDATE pgjobs_job SET status = 'done', finished_at = now(), locked_until = NULL "
-          "WHERE status = 'running' OR queue = 'emails' RETURNING id")
+    query(
+        "UPDATE pgjobs_job SET status = 'done', finished_at = now(), locked_until = NULL "
+        "WHERE status = 'running' OR queue = 'emails' RETURNING id"
+    )
     healthy(workers, "--lag-threshold", "120")
 
 
@@ -258,8 +270,13 @@ def test_the_report_shows_queue_depth_and_lag_dead_rows_autovacuum_and_reloption
     make_jobs(2, queue="emails", run_at=timedelta(seconds=-5))
     make_jobs(3, queue="emails", run_at=timedelta(hours=1))
     make_job(queue="emails", status="running", attempts=1, locked_until=timedelta(minutes=5))
-    make_job(queue="emails", status="failed", attempts=5, finished_at=timedelta(minutes=-5),
-             last_error="Traceback ...\nRuntimeError: smtp down")
+    make_job(
+        queue="emails",
+        status="failed",
+        attempts=5,
+        finished_at=timedelta(minutes=-5),
+        last_error="Traceback ...\nRuntimeError: smtp down",
+    )
     make_jobs(4, queue="emails", status="done", attempts=1, finished_at=timedelta(minutes=-5))
     make_jobs(12_000, status="done", attempts=1, finished_at=timedelta(days=-30))
 
@@ -272,8 +289,12 @@ def test_the_report_shows_queue_depth_and_lag_dead_rows_autovacuum_and_reloption
                 "SELECT n_dead_tup, last_autovacuum FROM pg_stat_user_tables "
                 "WHERE relid = 'pgjobs_job'::regclass"
             )
-            wait_until(lambda: query(stats)[0][0] >= 12_000, timeout=20, interval=0.2,
-                       message="the statistics to count the pruned rows as dead")
+            wait_until(
+                lambda: query(stats)[0][0] >= 12_000,
+                timeout=20,
+                interval=0.2,
+                message="the statistics to count the pruned rows as dead",
+            )
             dead, last_autovacuum = query(stats)[0]
 
             text = Diagnosis(workers)
@@ -312,7 +333,11 @@ def test_the_report_shows_queue_depth_and_lag_dead_rows_autovacuum_and_reloption
     assert table["reloptions"] == [SCALE_FACTOR, "autovacuum_enabled=false"]
     (emails,) = [q for q in as_json["queues"] if q["queue"] == "emails"]
     assert {k: emails[k] for k in ("ready", "scheduled", "running", "expired", "failed")} == {
-        "ready": 3, "scheduled": 3, "running": 1, "expired": 0, "failed": 1,
+        "ready": 3,
+        "scheduled": 3,
+        "running": 1,
+        "expired": 0,
+        "failed": 1,
     }
     assert emails["done_last_hour"] == 4
     assert 120 <= emails["lag_seconds"] < 180

@@ -113,8 +113,9 @@ class EnqueueTests(TestCase):
         for created, seconds in ((by_timedelta, 30), (by_seconds, 90)):
             stored = job_row(created.id)
             assert stored["run_at"] - stored["created_at"] == timedelta(seconds=seconds)
-            assert scalar("SELECT run_at - now() FROM pgjobs_job WHERE id = %s",
-                          [created.id]) == timedelta(seconds=seconds)
+            assert scalar(
+                "SELECT run_at - now() FROM pgjobs_job WHERE id = %s", [created.id]
+            ) == timedelta(seconds=seconds)
 
     def test_future_run_at_is_not_claimed_until_due(self) -> None:
         when = timezone.now() + timedelta(hours=1)
@@ -131,8 +132,7 @@ class EnqueueTests(TestCase):
         assert len(ids) == 50
         assert ids == sorted(ids)
         assert [job_row(i)["payload"] for i in ids] == payloads
-        assert set(Job.objects.filter(id__in=ids).values_list("queue", "priority")) == {
-            ("bulk", 3)}
+        assert set(Job.objects.filter(id__in=ids).values_list("queue", "priority")) == {("bulk", 3)}
         assert Job.objects.enqueue_many(noop, []) == []
         assert Job.objects.count() == 50
 
@@ -373,9 +373,11 @@ class NotifyTests(TransactionTestCase):
 
     def test_channel_comes_from_settings(self) -> None:
         # Merged into the active PGJOBS, so a subclass's NOTIFY mode stays in force.
-        with override_settings(PGJOBS={**settings.PGJOBS, "CHANNEL": "other_jobs"}), listening(
-            "other_jobs"
-        ) as other, listening() as default:
+        with (
+            override_settings(PGJOBS={**settings.PGJOBS, "CHANNEL": "other_jobs"}),
+            listening("other_jobs") as other,
+            listening() as default,
+        ):
             noop.enqueue()
             assert other.receive(1) == ["default"]
             assert default.quiet() == []
@@ -383,9 +385,10 @@ class NotifyTests(TransactionTestCase):
     def test_a_failed_notify_is_logged_not_raised(self) -> None:
         # After an atomic() block the NOTIFY is sent once the job is committed and safe: a
         # NOTIFY that fails then is only a lost hint.
-        with override_settings(PGJOBS={"CHANNEL": "x" * 64}), self.assertLogs(
-            "django_pgjobs.notify", "WARNING"
-        ) as logs:
+        with (
+            override_settings(PGJOBS={"CHANNEL": "x" * 64}),
+            self.assertLogs("django_pgjobs.notify", "WARNING") as logs,
+        ):
             with transaction.atomic():
                 created = noop.enqueue(n=1)
             assert notifier.flush()
@@ -395,8 +398,9 @@ class NotifyTests(TransactionTestCase):
     def test_autocommit_notify_is_part_of_the_insert(self) -> None:
         # In autocommit (NOTIFY "auto") the INSERT sends its own NOTIFY: one statement and
         # one commit. A NOTIFY the server refuses therefore refuses the row with it.
-        with override_settings(PGJOBS={"CHANNEL": "x" * 64}), pytest.raises(
-            DatabaseError, match="channel name too long"
+        with (
+            override_settings(PGJOBS={"CHANNEL": "x" * 64}),
+            pytest.raises(DatabaseError, match="channel name too long"),
         ):
             noop.enqueue(n=1)
         assert Job.objects.count() == 0
@@ -414,7 +418,8 @@ class OrderViewTests(TestCase):
     def test_post_creates_the_order_and_one_job(self) -> None:
         with self.captureOnCommitCallbacks() as hooks:
             response = Client().post(
-                "/orders/", json.dumps({"email": "a@example.com", "total_cents": 1250}),
+                "/orders/",
+                json.dumps({"email": "a@example.com", "total_cents": 1250}),
                 content_type="application/json",
             )
         assert response.status_code == 201
@@ -442,7 +447,8 @@ class OrderViewCommitTests(TransactionTestCase):
     def test_post_commits_both_and_notifies(self) -> None:
         with listening() as listener:
             response = Client().post(
-                "/orders/", {"email": "c@example.com", "total_cents": 5},
+                "/orders/",
+                {"email": "c@example.com", "total_cents": 5},
                 content_type="application/json",
             )
             assert response.status_code == 201
@@ -466,11 +472,13 @@ class OrderViewCommitTests(TransactionTestCase):
             )
         self.addCleanup(self.drop_trigger)
         with listening() as listener:
-            with pytest.raises(DatabaseError, match="rejected at commit"), self.assertLogs(
-                "django.request", "ERROR"
+            with (
+                pytest.raises(DatabaseError, match="rejected at commit"),
+                self.assertLogs("django.request", "ERROR"),
             ):
                 Client().post(
-                    "/orders/", {"email": "d@example.com", "total_cents": 5},
+                    "/orders/",
+                    {"email": "d@example.com", "total_cents": 5},
                     content_type="application/json",
                 )
             assert listener.quiet() == []
@@ -513,9 +521,10 @@ class InlineNotifyTests(NotifyTests):
 
     def test_a_failed_notify_is_logged_not_raised(self) -> None:
         # Inline, the NOTIFY follows even an autocommit enqueue's commit.
-        with override_settings(PGJOBS={"NOTIFY": "inline", "CHANNEL": "x" * 64}), self.assertLogs(
-            "django_pgjobs.notify", "WARNING"
-        ) as logs:
+        with (
+            override_settings(PGJOBS={"NOTIFY": "inline", "CHANNEL": "x" * 64}),
+            self.assertLogs("django_pgjobs.notify", "WARNING") as logs,
+        ):
             created = noop.enqueue(n=1)
             # Inline: logged before enqueue() returned, no flush needed.
             assert len(logs.output) == 1
@@ -562,8 +571,11 @@ class ManualTransactionTests(TransactionTestCase):
 
     def test_enqueue_in_a_manual_transaction_notifies_at_its_commit_only(self) -> None:
         for mode in ("auto", "background", "inline"):
-            with self.subTest(mode=mode), override_settings(PGJOBS={"NOTIFY": mode}), \
-                    listening() as listener:
+            with (
+                self.subTest(mode=mode),
+                override_settings(PGJOBS={"NOTIFY": mode}),
+                listening() as listener,
+            ):
                 transaction.set_autocommit(False)
                 try:
                     created = noop.enqueue(n=1)

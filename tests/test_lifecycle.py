@@ -48,7 +48,11 @@ class ClaimTests(TransactionTestCase):
         for c in claimed:
             assert isinstance(c, ClaimedJob)
             assert (c.queue, c.task, c.attempts, c.max_attempts) == (
-                "default", "testproject.testjobs.noop", 1, 5)
+                "default",
+                "testproject.testjobs.noop",
+                1,
+                5,
+            )
             assert c.payload == {"n": ids.index(c.id) + 1}
             row = job_row(c.id)
             assert row["status"] == "running"
@@ -172,7 +176,11 @@ class OutcomeTests(TransactionTestCase):
         assert Job.objects.release(c.id, c.attempts) is True
         row = job_row(job_id)
         assert (row["status"], row["attempts"], row["locked_until"], row["started_at"]) == (
-            "queued", 0, None, None)
+            "queued",
+            0,
+            None,
+            None,
+        )
         assert self.claim_one().attempts == 1
 
     def test_many_forms_change_only_the_jobs_still_ours(self) -> None:
@@ -274,7 +282,11 @@ class ReapTests(TransactionTestCase):
         ]
         row = job_row(expired)
         assert (row["status"], row["attempts"], row["last_error"], row["locked_until"]) == (
-            "queued", 1, "lease expired", None)
+            "queued",
+            1,
+            "lease expired",
+            None,
+        )
         assert job_row(expired_error)["last_error"] == "earlier failure"
         row = job_row(used_up)
         assert (row["status"], row["last_error"]) == ("failed", "lease expired")
@@ -336,20 +348,25 @@ class ConcurrentReapTests(TransactionTestCase):
         assert not first_ids & second_ids
         assert sorted(first_ids | second_ids) == ids
         assert status_counts() == {"queued": 2000}
-        assert scalar("SELECT count(*) FROM pgjobs_job WHERE attempts = 1 "
-                      "AND last_error = 'lease expired'") == 2000
+        assert (
+            scalar(
+                "SELECT count(*) FROM pgjobs_job WHERE attempts = 1 "
+                "AND last_error = 'lease expired'"
+            )
+            == 2000
+        )
 
 
 class PruneTests(TestCase):
     def setUp(self) -> None:
         hour_ago = timedelta(hours=-1)
         self.done = make_jobs(3, status="done", attempts=1, finished_at=hour_ago)
-        self.failed = make_jobs(2, status="failed", attempts=5, finished_at=hour_ago,
-                                last_error="boom")
+        self.failed = make_jobs(
+            2, status="failed", attempts=5, finished_at=hour_ago, last_error="boom"
+        )
         old = timedelta(days=-30)
         self.queued = make_job(status="queued", created_at=old, run_at=old)
-        self.running = make_job(status="running", attempts=1, created_at=old,
-                                locked_until=hour_ago)
+        self.running = make_job(status="running", attempts=1, created_at=old, locked_until=hour_ago)
 
     def statuses(self) -> dict[str, int]:
         return status_counts()
@@ -364,8 +381,9 @@ class PruneTests(TestCase):
         assert self.statuses() == {"queued": 1, "running": 1}
 
     def test_prune_keeps_recent_jobs_and_measures_from_the_finish(self) -> None:
-        recent = make_job(status="done", created_at=timedelta(days=-30),
-                          finished_at=timedelta(days=-1))
+        recent = make_job(
+            status="done", created_at=timedelta(days=-30), finished_at=timedelta(days=-1)
+        )
         old = make_job(status="done", created_at=timedelta(days=-8), finished_at=None)
         assert Job.objects.prune() == 1  # older_than 7 days
         assert not Job.objects.filter(id=old).exists()
@@ -384,13 +402,18 @@ class PruneTests(TestCase):
     def test_prune_in_batches_reports_progress(self) -> None:
         make_jobs(22, status="done", finished_at=timedelta(hours=-1))
         totals: list[int] = []
-        assert Job.objects.prune(older_than=timedelta(0), batch_size=7,
-                                 progress=totals.append) == 25
+        assert (
+            Job.objects.prune(older_than=timedelta(0), batch_size=7, progress=totals.append) == 25
+        )
         assert totals == [7, 14, 21, 25]
         make_jobs(14, status="done", finished_at=timedelta(hours=-1))
         totals.clear()
-        assert Job.objects.prune(older_than=timedelta(0), batch_size=7,
-                                 progress=totals.append, archive=True) == 14
+        assert (
+            Job.objects.prune(
+                older_than=timedelta(0), batch_size=7, progress=totals.append, archive=True
+            )
+            == 14
+        )
         assert totals == [7, 14]
         assert ArchivedJob.objects.count() == 14
 

@@ -261,17 +261,16 @@ def test_the_migrations_found_on_disk_are_the_apps_migrations() -> None:
     # The list the tests below iterate over is the files; make sure it is not empty or stale.
     assert MIGRATIONS[0] == CREATES_THE_TABLE
     assert len(MIGRATIONS) >= 5
-    assert "CREATE TABLE pgjobs_job (" in importlib.import_module(
-        f"{APP}.migrations.{CREATES_THE_TABLE}"
-    ).CREATE
+    assert (
+        "CREATE TABLE pgjobs_job ("
+        in importlib.import_module(f"{APP}.migrations.{CREATES_THE_TABLE}").CREATE
+    )
 
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("name", [m for m in MIGRATIONS if m != CREATES_THE_TABLE])
 @pytest.mark.parametrize("direction", ["forwards", "backwards"])
-def test_each_migration_after_the_first_is_safe_on_a_live_table(
-    name: str, direction: str
-) -> None:
+def test_each_migration_after_the_first_is_safe_on_a_live_table(name: str, direction: str) -> None:
     text = sqlmigrate(name, backwards=direction == "backwards")
     atomic = is_atomic(name)
     # sqlmigrate wraps exactly the atomic migrations in BEGIN/COMMIT: the flag is real.
@@ -343,79 +342,115 @@ def test_the_checker_catches_what_makemigrations_would_write() -> None:
     assert problems and all("rewrites the table" in p for p in problems), problems
 
 
-
 @pytest.mark.parametrize(
     ("text", "atomic", "complaint"),
     [
         pytest.param(
-            TIMEOUT + "CREATE INDEX pgjobs_job_x_idx ON pgjobs_job (task);", False,
-            "without CONCURRENTLY", id="plain-create-index",
+            TIMEOUT + "CREATE INDEX pgjobs_job_x_idx ON pgjobs_job (task);",
+            False,
+            "without CONCURRENTLY",
+            id="plain-create-index",
         ),
         pytest.param(
-            TIMEOUT + "DROP INDEX pgjobs_job_x_idx;", False, "without CONCURRENTLY",
+            TIMEOUT + "DROP INDEX pgjobs_job_x_idx;",
+            False,
+            "without CONCURRENTLY",
             id="plain-drop-index",
         ),
         pytest.param(
-            LOCAL + "CREATE INDEX CONCURRENTLY x ON public.pgjobs_job (task);", True,
-            "must be non-atomic", id="concurrently-in-an-atomic-migration",
+            LOCAL + "CREATE INDEX CONCURRENTLY x ON public.pgjobs_job (task);",
+            True,
+            "must be non-atomic",
+            id="concurrently-in-an-atomic-migration",
         ),
         pytest.param(
-            "ALTER TABLE pgjobs_job ADD COLUMN tenant text;", True, "no lock_timeout",
+            "ALTER TABLE pgjobs_job ADD COLUMN tenant text;",
+            True,
+            "no lock_timeout",
             id="alter-without-lock-timeout",
         ),
         pytest.param(
-            "-- SET lock_timeout = '5s';\nALTER TABLE pgjobs_job ADD COLUMN tenant text;", True,
-            "no lock_timeout", id="lock-timeout-only-in-a-comment",
+            "-- SET lock_timeout = '5s';\nALTER TABLE pgjobs_job ADD COLUMN tenant text;",
+            True,
+            "no lock_timeout",
+            id="lock-timeout-only-in-a-comment",
         ),
         pytest.param(
-            'ALTER TABLE "pgjobs_job_archive" DROP COLUMN result;\n' + LOCAL, True,
-            "no lock_timeout", id="lock-timeout-set-too-late",
+            'ALTER TABLE "pgjobs_job_archive" DROP COLUMN result;\n' + LOCAL,
+            True,
+            "no lock_timeout",
+            id="lock-timeout-set-too-late",
         ),
         pytest.param(
-            LOCAL + "ALTER TABLE pgjobs_job ADD COLUMN tenant text;", False,
-            "no lock_timeout", id="set-local-outside-a-transaction-does-nothing",
+            LOCAL + "ALTER TABLE pgjobs_job ADD COLUMN tenant text;",
+            False,
+            "no lock_timeout",
+            id="set-local-outside-a-transaction-does-nothing",
         ),
         pytest.param(
-            TIMEOUT + "RESET lock_timeout;\nDROP INDEX CONCURRENTLY pgjobs_job_x_idx;", False,
-            "no lock_timeout", id="lock-timeout-reset-before-the-ddl",
+            TIMEOUT + "RESET lock_timeout;\nDROP INDEX CONCURRENTLY pgjobs_job_x_idx;",
+            False,
+            "no lock_timeout",
+            id="lock-timeout-reset-before-the-ddl",
         ),
         pytest.param(
-            "SET lock_timeout = 0;\nALTER TABLE pgjobs_job ADD COLUMN tenant text;", True,
-            "no lock_timeout", id="lock-timeout-zero",
+            "SET lock_timeout = 0;\nALTER TABLE pgjobs_job ADD COLUMN tenant text;",
+            True,
+            "no lock_timeout",
+            id="lock-timeout-zero",
         ),
         pytest.param(
             LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_task_check "
-            "CHECK (task <> '');", True, "NOT VALID", id="check-without-not-valid",
+            "CHECK (task <> '');",
+            True,
+            "NOT VALID",
+            id="check-without-not-valid",
         ),
         pytest.param(
             LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_fk "
-            "FOREIGN KEY (queue) REFERENCES queues (name);", True, "NOT VALID",
+            "FOREIGN KEY (queue) REFERENCES queues (name);",
+            True,
+            "NOT VALID",
             id="foreign-key-without-not-valid",
         ),
         pytest.param(
             LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT c CHECK (attempts >= 0) NOT VALID;\n"
-            "ALTER TABLE pgjobs_job VALIDATE CONSTRAINT c;", True, "same transaction",
+            "ALTER TABLE pgjobs_job VALIDATE CONSTRAINT c;",
+            True,
+            "same transaction",
             id="validate-in-the-same-transaction",
         ),
         pytest.param(
-            LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT u UNIQUE (task);", True,
-            "USING INDEX", id="unique-constraint-building-its-index",
+            LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT u UNIQUE (task);",
+            True,
+            "USING INDEX",
+            id="unique-constraint-building-its-index",
         ),
         pytest.param(
-            LOCAL + "ALTER TABLE pgjobs_job ALTER COLUMN attempts TYPE bigint;", True,
-            "rewrites the table", id="int-to-bigint",
+            LOCAL + "ALTER TABLE pgjobs_job ALTER COLUMN attempts TYPE bigint;",
+            True,
+            "rewrites the table",
+            id="int-to-bigint",
         ),
         pytest.param(
             LOCAL + "ALTER TABLE pgjobs_job ALTER attempts SET DATA TYPE bigint "
-            "USING attempts::bigint;", True, "rewrites the table", id="set-data-type",
+            "USING attempts::bigint;",
+            True,
+            "rewrites the table",
+            id="set-data-type",
         ),
         pytest.param(
             LOCAL + "ALTER TABLE pgjobs_job ADD COLUMN n int GENERATED ALWAYS AS (attempts + 1)"
-            " STORED;", True, "rewrites the table", id="stored-generated-column",
+            " STORED;",
+            True,
+            "rewrites the table",
+            id="stored-generated-column",
         ),
         pytest.param(
             LOCAL + "ALTER TABLE pgjobs_job ADD COLUMN a text;\n"
-            "ALTER TABLE pgjobs_job_archive ADD COLUMN a text;", True, "one table per",
+            "ALTER TABLE pgjobs_job_archive ADD COLUMN a text;",
+            True,
+            "one table per",
             id="two-tables-in-one-transaction",
         ),
     ],
@@ -433,29 +468,35 @@ def test_the_checker_finds_unsafe_sql(text: str, atomic: bool, complaint: str) -
             "SET lock_timeout = '3s';\n"
             "CREATE INDEX CONCURRENTLY IF NOT EXISTS pgjobs_job_task_idx ON pgjobs_job (task);\n"
             "DROP INDEX CONCURRENTLY IF EXISTS pgjobs_job_old_idx;\nRESET lock_timeout;",
-            False, id="concurrent-index",
+            False,
+            id="concurrent-index",
         ),
         pytest.param(
             "BEGIN;\nSET LOCAL lock_timeout = '3s';\n"
-            "ALTER TABLE pgjobs_job ADD COLUMN retry_count int DEFAULT 0;\nCOMMIT;", True,
+            "ALTER TABLE pgjobs_job ADD COLUMN retry_count int DEFAULT 0;\nCOMMIT;",
+            True,
             id="add-column-with-a-constant-default",
         ),
         pytest.param(
             "BEGIN;\nSELECT set_config('lock_timeout', '3s', true);\n"
             "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_attempts_check "
-            "CHECK (attempts >= 0) NOT VALID;\nCOMMIT;", True, id="check-not-valid",
+            "CHECK (attempts >= 0) NOT VALID;\nCOMMIT;",
+            True,
+            id="check-not-valid",
         ),
         pytest.param(
             "SET lock_timeout = '3s';\n"
             "CREATE UNIQUE INDEX CONCURRENTLY pgjobs_job_u ON pgjobs_job (id, task);\n"
             "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_u UNIQUE USING INDEX pgjobs_job_u;",
-            False, id="unique-using-a-concurrent-index",
+            False,
+            id="unique-using-a-concurrent-index",
         ),
         pytest.param(
             # Statements about other tables, and text that only looks like DDL.
             "CREATE INDEX shop_order_idx ON shop_order (email);\n"
             "INSERT INTO notes VALUES ('ALTER TABLE pgjobs_job; CREATE INDEX x ON pgjobs_job');",
-            True, id="other-tables-and-strings",
+            True,
+            id="other-tables-and-strings",
         ),
     ],
 )

@@ -231,8 +231,13 @@ def test_a_script_that_enqueues_and_exits_at_once_still_notifies() -> None:
     }
     with listening() as listener:
         done = subprocess.run(
-            [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True,
-            text=True, timeout=60, check=False,
+            [sys.executable, "-c", SCRIPT],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
         assert done.returncode == 0, done.stderr
         assert "failed" not in done.stderr, done.stderr
@@ -242,7 +247,10 @@ def test_a_script_that_enqueues_and_exits_at_once_still_notifies() -> None:
         assert note.pid != my_pid()
     row = job_row(job_id)
     assert (row["queue"], row["payload"], row["status"]) == (
-        "from-script", {"from": "script"}, "queued")
+        "from-script",
+        {"from": "script"},
+        "queued",
+    )
     # The script's notifier connection went away with it.
     wait_until(lambda: not backend_alive(note.pid), message="the script's connection to end")
 
@@ -270,9 +278,7 @@ def test_a_forked_child_notifies_with_its_own_thread_and_the_parent_still_does()
         assert parent_thread is not None and parent_thread.is_alive()
 
         connections.close_all()  # the child must not inherit an open Django connection
-        child = multiprocessing.get_context("fork").Process(
-            target=_child_enqueues, args=("child",)
-        )
+        child = multiprocessing.get_context("fork").Process(target=_child_enqueues, args=("child",))
         child.start()
         child.join(30)
         assert child.exitcode == 0
@@ -350,8 +356,9 @@ def test_inline_sends_on_the_callers_connection_before_enqueue_returns() -> None
 
 @override_settings(PGJOBS=INLINE)
 def test_inline_a_failed_notify_is_logged_at_once(caplog: pytest.LogCaptureFixture) -> None:
-    with override_settings(PGJOBS={**INLINE, "CHANNEL": "x" * 64}), caplog.at_level(
-        logging.WARNING, logger="django_pgjobs.notify"
+    with (
+        override_settings(PGJOBS={**INLINE, "CHANNEL": "x" * 64}),
+        caplog.at_level(logging.WARNING, logger="django_pgjobs.notify"),
     ):
         created = noop.enqueue(n=1)
         # No flush: the caller's connection sent (and failed) it before enqueue returned.

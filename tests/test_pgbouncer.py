@@ -81,7 +81,9 @@ class PgBouncer:
         with open(folder / "pgbouncer.out", "wb") as out:
             self.popen = subprocess.Popen(
                 [binary, str(ini)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 user=run_as.pw_uid if run_as else None,
                 group=run_as.pw_gid if run_as else None,
                 extra_groups=[] if run_as else None,
@@ -99,10 +101,18 @@ class PgBouncer:
 
     def admin(self, command: str) -> list[dict[str, Any]]:
         """A SHOW command on PgBouncer's admin console (simple query protocol only)."""
-        with psycopg.connect(
-            host="127.0.0.1", port=self.port, dbname="pgbouncer", user=self.user,
-            password=self.password or None, autocommit=True, cursor_factory=psycopg.ClientCursor,
-        ) as conn, conn.cursor() as cursor:
+        with (
+            psycopg.connect(
+                host="127.0.0.1",
+                port=self.port,
+                dbname="pgbouncer",
+                user=self.user,
+                password=self.password or None,
+                autocommit=True,
+                cursor_factory=psycopg.ClientCursor,
+            ) as conn,
+            conn.cursor() as cursor,
+        ):
             cursor.execute(command)
             names = [column.name for column in cursor.description or []]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
@@ -163,7 +173,6 @@ def bouncer() -> Iterator[PgBouncer]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-
 def enqueue(workers: Workers, env: dict[str, str], first: int, count: int) -> Process:
     """Enqueue ``count`` noop jobs from a process whose database is PgBouncer, in chunks of
     1,000 (one INSERT and one NOTIFY each)."""
@@ -192,8 +201,11 @@ def test_5000_jobs_through_pgbouncer_run_once_and_notify_still_wakes_a_listener(
     bouncer: PgBouncer, workers: Workers
 ) -> None:
     # PgBouncer 1.18 (Debian 12's) keeps no prepared statements in transaction mode.
-    env = {"DATABASE_URL": bouncer.url, "LISTEN_DATABASE_URL": settings.DATABASE_URL,
-           "PGJOBS_PREPARE": "false"}
+    env = {
+        "DATABASE_URL": bouncer.url,
+        "LISTEN_DATABASE_URL": settings.DATABASE_URL,
+        "PGJOBS_PREPARE": "false",
+    }
     # -- in through PgBouncer --------------------------------------------------------------
     enqueuer = enqueue(workers, env, 0, JOBS)
     assert scalar("SELECT count(*) FROM pgjobs_job WHERE status = 'queued'") == JOBS
@@ -242,7 +254,12 @@ def test_5000_jobs_through_pgbouncer_run_once_and_notify_still_wakes_a_listener(
 
     # -- a long-running worker: claims through PgBouncer, LISTENs directly ------------------
     worker = workers.start(
-        "--listen-database", "listen", "--poll-interval", "3600", "--reap-interval", "3600",
+        "--listen-database",
+        "listen",
+        "--poll-interval",
+        "3600",
+        "--reap-interval",
+        "3600",
         env=env,
     )
 
@@ -255,20 +272,29 @@ def test_5000_jobs_through_pgbouncer_run_once_and_notify_still_wakes_a_listener(
         assert worker.alive, worker.tail()
         # Its LISTEN done (the health probe, SELECT 1, may already have followed it).
         return len(rows) == 1 and rows[0] in {
-            ("idle", f'LISTEN "{conf.channel()}"'), ("idle", sql.PROBE)
+            ("idle", f'LISTEN "{conf.channel()}"'),
+            ("idle", sql.PROBE),
         }
 
     wait_until(listening, timeout=20, interval=0.05, message="the worker to LISTEN")
     # A first job wakes it (NOTIFY, or the catch-up claim after LISTEN); after that an idle
     # worker with an hour's poll interval only wakes for a NOTIFY.
     enqueue(workers, env, JOBS, 1)
-    wait_until(lambda: ran_so_far() == JOBS + 1, timeout=20, interval=0.05,
-               message="the first job after the burst")
+    wait_until(
+        lambda: ran_so_far() == JOBS + 1,
+        timeout=20,
+        interval=0.05,
+        message="the first job after the burst",
+    )
 
     started = time.monotonic()
     enqueue(workers, env, JOBS + 1, 1)
-    wait_until(lambda: ran_so_far() == JOBS + 2, timeout=10, interval=0.02,
-               message="the NOTIFY sent through PgBouncer to wake the worker")
+    wait_until(
+        lambda: ran_so_far() == JOBS + 2,
+        timeout=10,
+        interval=0.02,
+        message="the NOTIFY sent through PgBouncer to wake the worker",
+    )
     assert time.monotonic() - started < 10  # against a poll interval of 3600 s
 
     # The worker is PgBouncer's client; its LISTEN connection is not, and its backend is none
@@ -281,9 +307,9 @@ def test_5000_jobs_through_pgbouncer_run_once_and_notify_still_wakes_a_listener(
     worker.send(signal.SIGTERM)
     assert worker.wait(15) == 0, worker.tail()
     assert ran(worker) == 2
-    assert query(
-        "SELECT status, attempts, count(*) FROM pgjobs_job GROUP BY 1, 2"
-    ) == [("done", 1, JOBS + 2)]
+    assert query("SELECT status, attempts, count(*) FROM pgjobs_job GROUP BY 1, 2") == [
+        ("done", 1, JOBS + 2)
+    ]
 
 
 def ran_so_far() -> int:
@@ -299,8 +325,13 @@ def test_pgbouncer_keeps_each_clients_time_zone_across_server_connections(
     # the client gets next, so the setting neither leaks to other clients nor is lost.
     def connect() -> psycopg.Connection[Any]:
         return psycopg.connect(
-            host="127.0.0.1", port=bouncer.port, dbname=bouncer.dbname, user=bouncer.user,
-            password=bouncer.password or None, autocommit=True, prepare_threshold=None,
+            host="127.0.0.1",
+            port=bouncer.port,
+            dbname=bouncer.dbname,
+            user=bouncer.user,
+            password=bouncer.password or None,
+            autocommit=True,
+            prepare_threshold=None,
         )
 
     def ask(conn: psycopg.Connection[Any], setting: str) -> tuple[int, str]:

@@ -46,8 +46,13 @@ def finished(
 ) -> list[int]:
     """``count`` jobs that finished ``ago`` (measured from the database's now())."""
     return make_jobs(
-        count, status=status, attempts=1, created_at=-ago - timedelta(hours=1),
-        started_at=-ago - timedelta(minutes=1), finished_at=-ago, **fields,
+        count,
+        status=status,
+        attempts=1,
+        created_at=-ago - timedelta(hours=1),
+        started_at=-ago - timedelta(minutes=1),
+        finished_at=-ago,
+        **fields,
     )
 
 
@@ -61,7 +66,11 @@ def test_prunejobs_deletes_25000_old_done_jobs_in_batches_and_touches_nothing_el
         "queued": make_jobs(40, created_at=-30 * DAY, run_at=-30 * DAY) + make_jobs(10),
         "scheduled": make_jobs(10, run_at=DAY),
         "running": make_jobs(
-            20, status="running", attempts=1, created_at=-30 * DAY, started_at=-30 * DAY,
+            20,
+            status="running",
+            attempts=1,
+            created_at=-30 * DAY,
+            started_at=-30 * DAY,
             locked_until=timedelta(minutes=5),
         ),
         "failed": (
@@ -147,7 +156,7 @@ def test_archive_moves_rows_with_every_column_one_statement_per_batch() -> None:
     # What a real run leaves behind: results, the attempt history and the claiming workers.
     query(
         "UPDATE pgjobs_job SET result = jsonb_build_object('n', id), "
-        "errors = '[{\"exception_class_path\": \"builtins.RuntimeError\", \"traceback\": \"t\"}]',"
+        'errors = \'[{"exception_class_path": "builtins.RuntimeError", "traceback": "t"}]\','
         " worker_ids = '[\"host:1:abc\"]', attempted_at = started_at, "
         "payload = jsonb_build_object('k', id) WHERE id = ANY(%s) RETURNING id",
         [moving],
@@ -156,10 +165,17 @@ def test_archive_moves_rows_with_every_column_one_statement_per_batch() -> None:
     # old created_at; a stale finished_at must not count either).
     never = [
         make_job(created_at=-30 * DAY, run_at=-30 * DAY, finished_at=-30 * DAY),
-        make_job(status="running", attempts=2, created_at=-30 * DAY, started_at=-30 * DAY,
-                 finished_at=-30 * DAY, locked_until=timedelta(minutes=5)),
-        make_job(status="running", attempts=1, created_at=-30 * DAY,
-                 locked_until=-30 * DAY),  # even a lease long expired: that is reap's job
+        make_job(
+            status="running",
+            attempts=2,
+            created_at=-30 * DAY,
+            started_at=-30 * DAY,
+            finished_at=-30 * DAY,
+            locked_until=timedelta(minutes=5),
+        ),
+        make_job(
+            status="running", attempts=1, created_at=-30 * DAY, locked_until=-30 * DAY
+        ),  # even a lease long expired: that is reap's job
     ]
     recent = finished(3, ago=DAY)
     before = rows("pgjobs_job")

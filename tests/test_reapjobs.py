@@ -15,7 +15,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 EXPIRED = timedelta(minutes=-1)
 
 
-
 def state(job_id: int) -> tuple[str, int, object]:
     row = job_row(job_id)
     return row["status"], row["attempts"], row["last_error"]
@@ -36,11 +35,13 @@ def test_reapjobs_once_requeues_or_fails_expired_leases_and_says_what_it_did(
 
     summary, *lines = reaper.output().splitlines()
     assert summary == "reaped 3 jobs: 2 requeued, 1 failed"
-    assert sorted(lines) == sorted([
-        f"  job {expired}: queued after 1 attempts",
-        f"  job {out_of_attempts}: failed after 3 attempts",
-        f"  job {failed_before}: queued after 2 attempts",
-    ])
+    assert sorted(lines) == sorted(
+        [
+            f"  job {expired}: queued after 1 attempts",
+            f"  job {out_of_attempts}: failed after 3 attempts",
+            f"  job {failed_before}: queued after 2 attempts",
+        ]
+    )
     # The attempt the crash cost stays counted; an earlier error is kept.
     assert state(expired) == ("queued", 1, "lease expired")
     assert state(out_of_attempts) == ("failed", 3, "lease expired")
@@ -51,22 +52,27 @@ def test_reapjobs_once_requeues_or_fails_expired_leases_and_says_what_it_did(
     assert state(leased) == ("running", 1, None)
     assert state(finished) == ("done", 1, None)
 
-    assert workers.run("reapjobs").output().splitlines() == [
-        "reaped 0 jobs: 0 requeued, 0 failed"
-    ]
+    assert workers.run("reapjobs").output().splitlines() == ["reaped 0 jobs: 0 requeued, 0 failed"]
 
 
 def test_reapjobs_loop_keeps_reaping_until_sigterm(workers: Workers) -> None:
     reaper = workers.command("reapjobs", "--loop", "--interval", "0.5")
-    wait_until(lambda: reaper.output().count("reaped 0 jobs") >= 2, timeout=15,
-               message="two empty rounds")
+    wait_until(
+        lambda: reaper.output().count("reaped 0 jobs") >= 2, timeout=15, message="two empty rounds"
+    )
 
     first = make_job(status="running", attempts=1, locked_until=EXPIRED)
-    wait_until(lambda: job_row(first)["status"] == "queued", timeout=5,
-               message="the loop to reap the first job")
+    wait_until(
+        lambda: job_row(first)["status"] == "queued",
+        timeout=5,
+        message="the loop to reap the first job",
+    )
     second = make_job(status="running", attempts=1, locked_until=EXPIRED)
-    wait_until(lambda: job_row(second)["status"] == "queued", timeout=5,
-               message="the loop to reap the second job")
+    wait_until(
+        lambda: job_row(second)["status"] == "queued",
+        timeout=5,
+        message="the loop to reap the second job",
+    )
     assert reaper.alive
 
     reaper.send(signal.SIGTERM)

@@ -30,8 +30,13 @@ class ClaimPlanTests(TransactionTestCase):
             cursor.execute("ANALYZE pgjobs_job")
             cursor.execute(
                 "EXPLAIN (COSTS OFF) " + sql.CLAIM,
-                {"queue": "default", "limit": 10, "lease": "5 minutes", "worker_id": "explain",
-                 "synchronous_commit": "off"},
+                {
+                    "queue": "default",
+                    "limit": 10,
+                    "lease": "5 minutes",
+                    "worker_id": "explain",
+                    "synchronous_commit": "off",
+                },
             )
             plan = [row[0] for row in cursor.fetchall()]
         text = "\n".join(plan)
@@ -96,8 +101,13 @@ class TableTests(TestCase):
                 )
             )
             timestamps = {c for c, t in types.items() if t.startswith("timestamp")}
-            assert timestamps >= {"run_at", "locked_until", "created_at", "started_at",
-                                  "finished_at"}, (table, types)
+            assert timestamps >= {
+                "run_at",
+                "locked_until",
+                "created_at",
+                "started_at",
+                "finished_at",
+            }, (table, types)
             assert {types[c] for c in timestamps} == {"timestamp with time zone"}, (table, types)
 
     def test_rows_made_by_the_orm_read_back_alike(self) -> None:

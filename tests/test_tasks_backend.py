@@ -133,7 +133,9 @@ def test_enqueue_keeps_keyword_and_nested_arguments() -> None:
     result = which_attempt.enqueue(fail_until=2)
     assert (result.args, result.kwargs) == ([], {"fail_until": 2})
     assert job_row(int(result.id))["payload"] == {
-        "args": [], "kwargs": {"fail_until": 2}, "backend": "default"
+        "args": [],
+        "kwargs": {"fail_until": 2},
+        "backend": "default",
     }
 
     nested = double.enqueue({"a": [1, 2.5, None, True]}, note="é")
@@ -193,7 +195,9 @@ def test_the_priority_range_ends_are_accepted() -> None:
         pytest.param((b"raw",), {}, r"payload\['args'\]\[0\] is a bytes", id="bytes"),
         pytest.param((float("nan"),), {}, r"payload\['args'\]\[0\] is nan", id="nan"),
         pytest.param(
-            (), {"when": timezone.now()}, r"payload\['kwargs'\]\['when'\] is a datetime",
+            (),
+            {"when": timezone.now()},
+            r"payload\['kwargs'\]\['when'\] is a datetime",
             id="datetime-kwarg",
         ),
         pytest.param(({1: "int key"},), {}, r"has a key 1 that is not a string", id="int-key"),
@@ -201,7 +205,9 @@ def test_the_priority_range_ends_are_accepted() -> None:
 )
 @pytest.mark.django_db
 def test_arguments_that_are_not_json_values_raise_type_error_and_write_nothing(
-    args: tuple[Any, ...], kwargs: dict[str, Any], where: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    where: str,
     received: Callable[[Any], list[Any]],
 ) -> None:
     enqueued = received(task_enqueued)
@@ -260,8 +266,19 @@ def test_get_result_reads_the_row_back() -> None:
     fetched = which_attempt.get_result(enqueued.id)
 
     assert fetched is not enqueued
-    for name in ("id", "status", "enqueued_at", "started_at", "finished_at",
-                 "last_attempted_at", "args", "kwargs", "backend", "errors", "worker_ids"):
+    for name in (
+        "id",
+        "status",
+        "enqueued_at",
+        "started_at",
+        "finished_at",
+        "last_attempted_at",
+        "args",
+        "kwargs",
+        "backend",
+        "errors",
+        "worker_ids",
+    ):
         assert getattr(fetched, name) == getattr(enqueued, name), name
     assert fetched.task.func is which_attempt.func
     assert fetched.task.takes_context is True
@@ -281,7 +298,7 @@ def test_get_result_maps_each_row_state(status: str, expected: TaskResultStatus)
         "UPDATE pgjobs_job SET status = %s, attempts = 2, started_at = now() - interval '1 m', "
         "attempted_at = now(), finished_at = CASE WHEN %s IN ('done', 'failed') THEN now() END, "
         "result = CASE WHEN %s = 'done' THEN '{\"total_cents\": 5}'::jsonb END, "
-        "errors = jsonb_build_array(%s::jsonb), worker_ids = '[\"w1\", \"w2\"]' WHERE id = %s "
+        'errors = jsonb_build_array(%s::jsonb), worker_ids = \'["w1", "w2"]\' WHERE id = %s '
         "RETURNING id",
         [status, status, status, json.dumps(ERROR), int(result.id)],
     )
@@ -348,8 +365,11 @@ def test_run_after_is_honoured_by_the_claim() -> None:
 
     assert Job.objects.claim("default", limit=10) == []
 
-    claimed = wait_until(lambda: Job.objects.claim("default", limit=10), timeout=10,
-                         message="the deferred task to become claimable")
+    claimed = wait_until(
+        lambda: Job.objects.claim("default", limit=10),
+        timeout=10,
+        message="the deferred task to become claimable",
+    )
     assert [job.id for job in claimed] == [int(result.id)]
     assert db_now() >= when
 
@@ -383,8 +403,13 @@ def test_the_claim_with_task_priorities_still_scans_the_ready_index() -> None:
         cursor.execute("ANALYZE pgjobs_job")
         cursor.execute(
             "EXPLAIN (COSTS OFF) " + sql.CLAIM,
-            {"queue": "default", "limit": 10, "lease": "5 minutes", "worker_id": "explain",
-             "synchronous_commit": None},
+            {
+                "queue": "default",
+                "limit": 10,
+                "lease": "5 minutes",
+                "worker_id": "explain",
+                "synchronous_commit": None,
+            },
         )
         lines = [row[0] for row in cursor.fetchall()]
     plan = "\n".join(lines)
@@ -439,7 +464,7 @@ def test_the_worker_sends_task_started_and_task_finished(
     gives_up = which_attempt.enqueue(fail_until=5)
     # Two attempts already spent: this run is its last.
     query(
-        "UPDATE pgjobs_job SET attempts = 2, worker_ids = '[\"a\", \"b\"]' WHERE id = %s "
+        'UPDATE pgjobs_job SET attempts = 2, worker_ids = \'["a", "b"]\' WHERE id = %s '
         "RETURNING id",
         [int(gives_up.id)],
     )
@@ -482,7 +507,8 @@ def test_the_worker_sends_task_started_and_task_finished(
 
     # What the signals said is what the table now says.
     assert order_total.get_result(succeeds.id).return_value == {
-        "order": order.pk, "total_cents": 1234
+        "order": order.pk,
+        "total_cents": 1234,
     }
     assert which_attempt.get_result(retries.id).status == READY
     assert which_attempt.get_result(gives_up.id).status == FAILED
@@ -530,12 +556,17 @@ def test_the_configured_backend_and_a_bare_one_have_no_problems() -> None:
             {"OPTIONS": {"BACKOFF_BASE": -1}}, "pgjobs.E024", "'BACKOFF_BASE'", id="negative-base"
         ),
         pytest.param(
-            {"OPTIONS": {"BACKOFF_BASE": 120, "BACKOFF_MAX": 60}}, "pgjobs.E009",
-            "BACKOFF_BASE=120, BACKOFF_MAX=60", id="base-above-max",
+            {"OPTIONS": {"BACKOFF_BASE": 120, "BACKOFF_MAX": 60}},
+            "pgjobs.E009",
+            "BACKOFF_BASE=120, BACKOFF_MAX=60",
+            id="base-above-max",
         ),
         pytest.param(
             # Against the PGJOBS default base of 10 s.
-            {"OPTIONS": {"BACKOFF_MAX": 5}}, "pgjobs.E009", "BACKOFF_MAX=5", id="max-below-default",
+            {"OPTIONS": {"BACKOFF_MAX": 5}},
+            "pgjobs.E009",
+            "BACKOFF_MAX=5",
+            id="max-below-default",
         ),
     ],
 )

@@ -26,7 +26,6 @@ READY, RUNNING = TaskResultStatus.READY, TaskResultStatus.RUNNING
 SUCCESSFUL, FAILED = TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED
 
 
-
 def worker_id(process: Process) -> str:
     """What a worker process records in ``worker_ids``: ``host:pid``."""
     return f"{socket.gethostname()}:{process.pid}"
@@ -47,8 +46,7 @@ def seconds(result: TaskResult[Any, Any], expression: str) -> float:
 
 def make_due(*results: TaskResult[Any, Any]) -> None:
     """Skip the backoff: the retry is due now."""
-    query("UPDATE pgjobs_job SET run_at = now() WHERE id = ANY(%s)",
-          [[int(r.id) for r in results]])
+    query("UPDATE pgjobs_job SET run_at = now() WHERE id = ANY(%s)", [[int(r.id) for r in results]])
 
 
 def test_a_task_runs_in_the_worker_and_its_result_is_read_back(workers: Workers) -> None:
@@ -176,8 +174,8 @@ def test_a_non_json_result_fails_the_attempt_and_the_worker_runs_the_next_tasks(
     # A takes_context task, on its first attempt.
     assert which_attempt.get_result(context.id).return_value == 1
     assert {
-        r.worker_ids[0] for r in (failed, double.get_result(doubled.id),
-                                  which_attempt.get_result(context.id))
+        r.worker_ids[0]
+        for r in (failed, double.get_result(doubled.id), which_attempt.get_result(context.id))
     } == {worker_id(worker)}
     # The bad task ran first; the others after it.
     assert column(bad, "attempted_at") < min(
@@ -194,7 +192,9 @@ def test_transaction_mode_runs_tasks_and_records_their_failures(workers: Workers
     assert "ran 2 jobs: 1 done, 1 to retry, 0 failed" in worker.output()
     result = double.get_result(doubled.id)
     assert (result.status, result.return_value, result.worker_ids) == (
-        SUCCESSFUL, 8, [worker_id(worker)]
+        SUCCESSFUL,
+        8,
+        [worker_id(worker)],
     )
     retried = which_attempt.get_result(retries.id)
     assert retried.status == READY
@@ -211,8 +211,9 @@ def test_a_task_whose_lease_expired_lists_lease_expired_after_reapjobs(
     assert claimed.id == int(enqueued.id)
     running = double.get_result(enqueued.id)
     assert (running.status, running.worker_ids, running.errors) == (RUNNING, ["gone:1"], [])
-    wait_until(lambda: column(enqueued, "locked_until < now()"), timeout=5,
-               message="the lease to expire")
+    wait_until(
+        lambda: column(enqueued, "locked_until < now()"), timeout=5, message="the lease to expire"
+    )
 
     reaper = workers.run("reapjobs")
 

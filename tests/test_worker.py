@@ -17,7 +17,6 @@ from tests.workers import Workers, counts, query, ran, scalar
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-
 def status(job_id: int) -> str:
     return str(job_row(job_id)["status"])
 
@@ -70,8 +69,9 @@ def test_failing_job_backs_off_twenty_seconds_then_fails_for_good(workers: Worke
         "SELECT extract(epoch FROM run_at - started_at) FROM pgjobs_job WHERE id = %s", [job_id]
     )
     assert 20.0 <= float(backoff) < 21.0
-    due_in = scalar("SELECT extract(epoch FROM run_at - now()) FROM pgjobs_job WHERE id = %s",
-                    [job_id])
+    due_in = scalar(
+        "SELECT extract(epoch FROM run_at - now()) FROM pgjobs_job WHERE id = %s", [job_id]
+    )
     assert 10.0 < float(due_in) <= 20.0
     assert "ran 1 jobs: 0 done, 1 to retry, 0 failed" in first.output()
     assert "RuntimeError: kaboom 1" in first.log()
@@ -146,9 +146,11 @@ def test_heartbeat_keeps_a_job_longer_than_its_lease_owned(workers: Workers) -> 
     wait_until(
         lambda: scalar(
             "SELECT status = 'running' AND attempts = 1 AND now() > started_at + interval '2 s' "
-            "AND locked_until > now() FROM pgjobs_job WHERE id = %s", [job_id]
+            "AND locked_until > now() FROM pgjobs_job WHERE id = %s",
+            [job_id],
         ),
-        timeout=5, message="the job to outlive its first lease",
+        timeout=5,
+        message="the job to outlive its first lease",
     )
 
     wait_until(lambda: status(job_id) == "done", timeout=10, message="the job to finish")
@@ -168,8 +170,10 @@ def test_a_job_whose_lease_is_taken_sees_lost_and_its_outcome_is_not_recorded(
     wait_until(lambda: status(job_id) == "running", timeout=15, message="the job to start")
 
     # Someone else reaped and reclaimed it: the attempt the worker holds is no longer current.
-    query("UPDATE pgjobs_job SET attempts = attempts + 1 WHERE id = %s AND status = 'running'",
-          [job_id])
+    query(
+        "UPDATE pgjobs_job SET attempts = attempts + 1 WHERE id = %s AND status = 'running'",
+        [job_id],
+    )
 
     # The next heartbeat (every lease/3 = 0.5 s) finds the fence closed; the job sees
     # current_job().lost and returns long before its 60 s.
@@ -190,7 +194,9 @@ def test_worker_reaps_expired_leases_every_reap_interval_and_runs_them(
     # start-up reap, so only a later periodic reap can bring it back. make_job sends no
     # NOTIFY and the poll is an hour away: the reap alone must lead to the job being run.
     job_id = make_job(
-        task="testproject.testjobs.noop", status="running", attempts=1,
+        task="testproject.testjobs.noop",
+        status="running",
+        attempts=1,
         locked_until=timedelta(seconds=1.5),
     )
     worker = workers.start("--reap-interval", "1", "--poll-interval", "3600")

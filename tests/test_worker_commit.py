@@ -73,8 +73,11 @@ def complete_params(job_id: int, synchronous_commit: str | None) -> dict[str, An
 
 def claim_params(synchronous_commit: str | None) -> dict[str, Any]:
     return {
-        "queue": "default", "limit": 1, "lease": timedelta(minutes=5),
-        "worker_id": "commit-test", "synchronous_commit": synchronous_commit,
+        "queue": "default",
+        "limit": 1,
+        "lease": timedelta(minutes=5),
+        "worker_id": "commit-test",
+        "synchronous_commit": synchronous_commit,
     }
 
 
@@ -223,9 +226,10 @@ def test_a_transaction_mode_worker_keeps_the_servers_setting() -> None:
 
 
 def test_a_lease_mode_worker_refuses_a_bad_setting() -> None:
-    with override_settings(
-        PGJOBS={**settings.PGJOBS, "WORKER_SYNCHRONOUS_COMMIT": "of"}
-    ), pytest.raises(InvalidJobOptions, match="'of'"):
+    with (
+        override_settings(PGJOBS={**settings.PGJOBS, "WORKER_SYNCHRONOUS_COMMIT": "of"}),
+        pytest.raises(InvalidJobOptions, match="'of'"),
+    ):
         Worker(mode="lease")
 
 
@@ -243,8 +247,10 @@ def test_off_really_skips_the_flush_at_commit() -> None:
         before = syncs()
         with raw_connect() as conn:
             for job_id in ids:
-                params = {"claims": json.dumps([{"id": job_id, "attempts": 1}]),
-                          "synchronous_commit": setting}
+                params = {
+                    "claims": json.dumps([{"id": job_id, "attempts": 1}]),
+                    "synchronous_commit": setting,
+                }
                 assert conn.execute(sql.COMPLETE, params).fetchall() == [(job_id,)]
         return syncs() - before
 

@@ -19,7 +19,6 @@ from tests.workers import Process, Workers, listener_backends, query, run_time, 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-
 def up(worker: Process) -> None:
     """Wait until the worker has run a job (so it is past start-up) and LISTENs."""
     job_id = Job.objects.enqueue(noop, {"warm": "up"}).id
@@ -94,9 +93,7 @@ def test_an_idle_worker_sends_no_query(workers: Workers) -> None:
             last[0], since[0] = now, time.monotonic()
             return False
         states = {state for state, _, _ in now.values()}
-        return (
-            len(now) >= 2 and states == {"idle"} and time.monotonic() - since[0] >= 1.0
-        )
+        return len(now) >= 2 and states == {"idle"} and time.monotonic() - since[0] >= 1.0
 
     wait_until(settled, timeout=20, interval=0.1, message="the worker to settle")
     assert worker.backends() and listener_backends()
@@ -155,10 +152,12 @@ def test_a_notify_that_comes_while_the_producer_looks_up_due_times_is_not_lost()
         thread.join(timeout=15)
     rows = query(
         "SELECT id, status, attempted_at, finished_at FROM pgjobs_job WHERE id = ANY(%s) "
-        "ORDER BY id", [[first, *second]]
+        "ORDER BY id",
+        [[first, *second]],
     )
     assert [(job_id, status) for job_id, status, *_ in rows] == [
-        (first, "done"), (second[0], "done")
+        (first, "done"),
+        (second[0], "done"),
     ]
     (_, _, first_claimed, first_finished), (_, _, second_claimed, _) = rows
     # Claimed at once, into the free slot, not when the first job's end woke the producer.

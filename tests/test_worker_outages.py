@@ -37,25 +37,35 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 # What a job blamed for the database's absence would carry in last_error or errors.
 OUTAGE_TEXTS = [
-    "%OperationalError%", "%InterfaceError%", "%server closed%", "%terminating connection%",
-    "%connection is closed%", "%read-only transaction%", "%ReadOnlySqlTransaction%",
+    "%OperationalError%",
+    "%InterfaceError%",
+    "%server closed%",
+    "%terminating connection%",
+    "%connection is closed%",
+    "%read-only transaction%",
+    "%ReadOnlySqlTransaction%",
 ]
-
 
 
 def assert_nobody_was_blamed(total: int) -> None:
     """Every job done; none failed or saddled with the outage; attempts counted only for a
     job whose claim was lost with a dropped connection (the reaper notes 'lease expired')."""
     assert counts() == {"done": total}
-    assert scalar(
-        "SELECT count(*) FROM pgjobs_job WHERE last_error ILIKE ANY(%s) "
-        "OR errors::text ILIKE ANY(%s)",
-        [OUTAGE_TEXTS, OUTAGE_TEXTS],
-    ) == 0
-    assert query(
-        "SELECT id, attempts, last_error FROM pgjobs_job "
-        "WHERE attempts <> 1 AND last_error IS DISTINCT FROM 'lease expired'"
-    ) == []
+    assert (
+        scalar(
+            "SELECT count(*) FROM pgjobs_job WHERE last_error ILIKE ANY(%s) "
+            "OR errors::text ILIKE ANY(%s)",
+            [OUTAGE_TEXTS, OUTAGE_TEXTS],
+        )
+        == 0
+    )
+    assert (
+        query(
+            "SELECT id, attempts, last_error FROM pgjobs_job "
+            "WHERE attempts <> 1 AND last_error IS DISTINCT FROM 'lease expired'"
+        )
+        == []
+    )
 
 
 def worker_connections(worker: Process) -> list[int]:
@@ -66,7 +76,14 @@ def test_a_job_that_meets_a_lost_connection_is_released_not_failed(workers: Work
     total = 600
     Job.objects.enqueue_many(count_orders, [{"pause": 0.02}] * total)
     worker = workers.start(
-        "--concurrency", "4", "--lease", "5", "--reap-interval", "2", "--poll-interval", "1",
+        "--concurrency",
+        "4",
+        "--lease",
+        "5",
+        "--reap-interval",
+        "2",
+        "--poll-interval",
+        "1",
         test_jobs=True,
     )
     wait_until(lambda: done() >= 100, timeout=30, message="the run to get going")
@@ -77,8 +94,9 @@ def test_a_job_that_meets_a_lost_connection_is_released_not_failed(workers: Work
     assert terminate(victims + listener_backends()) >= 6
     assert done() < total, "the run ended before the outage"
 
-    wait_until(lambda: done() == total or not worker.alive, timeout=60,
-               message="the queue to be finished")
+    wait_until(
+        lambda: done() == total or not worker.alive, timeout=60, message="the queue to be finished"
+    )
     assert worker.alive, worker.tail()
     assert_nobody_was_blamed(total)
     log = worker.log()
@@ -122,7 +140,14 @@ def test_a_read_only_failover_is_ridden_out(workers: Workers) -> None:
         write_order, [{"email": f"ro{i}@example.com", "pause": 0.02} for i in range(total)]
     )
     worker = workers.start(
-        "--concurrency", "4", "--lease", "5", "--reap-interval", "2", "--poll-interval", "1",
+        "--concurrency",
+        "4",
+        "--lease",
+        "5",
+        "--reap-interval",
+        "2",
+        "--poll-interval",
+        "1",
         test_jobs=True,
     )
     wait_until(lambda: done() >= 50, timeout=30, message="the run to get going")
@@ -135,15 +160,17 @@ def test_a_read_only_failover_is_ridden_out(workers: Workers) -> None:
         # (0.5 s, then 1 s of backoff), and the worker lives on.
         wait_until(
             lambda: worker.log().count("read-only transaction") >= 4 or not worker.alive,
-            timeout=15, interval=0.05,
+            timeout=15,
+            interval=0.05,
             message="the worker to retry against the read-only database",
         )
         assert worker.alive, worker.tail()
     # Writable again; sessions opened meanwhile are still read-only: drop them too.
     terminate(worker_connections(worker))
 
-    wait_until(lambda: done() == total or not worker.alive, timeout=60,
-               message="the queue to be finished")
+    wait_until(
+        lambda: done() == total or not worker.alive, timeout=60, message="the queue to be finished"
+    )
     assert worker.alive, worker.tail()
     assert_nobody_was_blamed(total)
     log = worker.log()
@@ -166,9 +193,11 @@ def test_an_error_text_postgres_cannot_hold_is_recorded_escaped(workers: Workers
         row = job_row(job_id)
         assert (row["status"], row["attempts"], row["locked_until"]) == (status, 1, None)
         assert row["last_error"].strip().endswith(expected), row["last_error"]
-        assert scalar(
-            "SELECT errors -> -1 ->> 'traceback' FROM pgjobs_job WHERE id = %s", [job_id]
-        ).strip().endswith(expected)
+        assert (
+            scalar("SELECT errors -> -1 ->> 'traceback' FROM pgjobs_job WHERE id = %s", [job_id])
+            .strip()
+            .endswith(expected)
+        )
     # Nothing behind it was stranded: every other job is done, none is left running.
     assert query("SELECT id FROM pgjobs_job WHERE status = 'done' ORDER BY id") == [
         (job_id,) for job_id in behind
@@ -188,9 +217,12 @@ def test_a_job_calling_sys_exit_is_its_failure(workers: Workers) -> None:
     row = job_row(exits)
     assert (row["status"], row["attempts"], row["locked_until"]) == ("failed", 1, None)
     assert row["last_error"].strip().endswith("SystemExit: 2"), row["last_error"]
-    assert scalar(
-        "SELECT errors -> -1 ->> 'exception_class_path' FROM pgjobs_job WHERE id = %s", [exits]
-    ) == "builtins.SystemExit"
+    assert (
+        scalar(
+            "SELECT errors -> -1 ->> 'exception_class_path' FROM pgjobs_job WHERE id = %s", [exits]
+        )
+        == "builtins.SystemExit"
+    )
     assert [job_row(job_id)["status"] for job_id in after] == ["done"] * 5
     assert "ran 6 jobs: 5 done, 0 to retry, 1 failed, 0 lost" in worker.output()
     assert f"job {exits} tests.workers.exit_with attempt 1/1 failed" in worker.log()

@@ -28,7 +28,6 @@ BLAMED = (
 )
 
 
-
 def assert_reconnected(worker: Process) -> None:
     log = worker.log()
     assert "unavailable" in log and "reconnecting in" in log, log
@@ -51,17 +50,22 @@ def test_sigkill_mid_run_then_reap_and_a_fresh_worker_finish_everything(
     worker.send(signal.SIGKILL)
     assert worker.wait(10) == -signal.SIGKILL
     at_kill = {
-        row[0]: row[1] for row in query("SELECT id, attempts FROM pgjobs_job "
-                                        "WHERE status = 'running'")
+        row[0]: row[1]
+        for row in query("SELECT id, attempts FROM pgjobs_job WHERE status = 'running'")
     }
     # The killed worker was in the middle of things, and left those jobs running.
     assert at_kill and set(at_kill.values()) == {1}
     assert 300 <= done() < total
 
     wait_until(
-        lambda: query("SELECT count(*) FROM pgjobs_job WHERE status = 'running' "
-                      "AND locked_until >= now()") == [(0,)],
-        timeout=5, message="the killed worker's leases to expire",
+        lambda: (
+            query(
+                "SELECT count(*) FROM pgjobs_job WHERE status = 'running' AND locked_until >= now()"
+            )
+            == [(0,)]
+        ),
+        timeout=5,
+        message="the killed worker's leases to expire",
     )
     reaper = workers.run("reapjobs")
     assert f"reaped {len(at_kill)} jobs: {len(at_kill)} requeued, 0 failed" in reaper.output()
@@ -137,16 +141,24 @@ def test_worker_rides_out_a_database_restart(workers: Workers) -> None:
                 f"FROM generate_series(1, {total})"
             )
             worker = workers.start(
-                "--concurrency", "4", "--lease", "5", "--reap-interval", "2",
-                "--poll-interval", "1", database_url=pg.url,
+                "--concurrency",
+                "4",
+                "--lease",
+                "5",
+                "--reap-interval",
+                "2",
+                "--poll-interval",
+                "1",
+                database_url=pg.url,
             )
             wait_until(lambda: server.done() >= 100, timeout=30, message="the run to get going")
             server.close()
             pg.restart(down_for=2)
             assert server.done() < total, "the run ended before the restart"
 
-            wait_until(lambda: server.done() == total, timeout=60,
-                       message="the queue to be finished")
+            wait_until(
+                lambda: server.done() == total, timeout=60, message="the queue to be finished"
+            )
             assert server.query(BLAMED) == [(0,)]
             assert server.query("SELECT status, count(*) FROM pgjobs_job GROUP BY status") == [
                 ("done", total)

@@ -19,7 +19,6 @@ from tests.workers import Process, Workers, fails_first, listener_backends, run_
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-
 def up(worker: Process) -> None:
     """Wait until the worker has run a job (so it is past start-up) and LISTENs."""
     run_time(Job.objects.enqueue(noop, {"warm": "up"}).id, timeout=20)
@@ -81,8 +80,12 @@ def test_after_a_job_the_ticks_stay_a_whole_interval_apart(workers: Workers) -> 
     # counted its silence from the last NOTIFY, the poll from the last claim: bursts came
     # half an interval apart).
     ticked = max(activity.moments)
-    wait_until(lambda: (db_now() - ticked).total_seconds() >= interval / 2, timeout=interval,
-               interval=0.1, message="half an interval after the first tick")
+    wait_until(
+        lambda: (db_now() - ticked).total_seconds() >= interval / 2,
+        timeout=interval,
+        interval=0.1,
+        message="half an interval after the first tick",
+    )
     job_id = Job.objects.enqueue(noop, {}).id
     run_time(job_id, timeout=5)
     activity.watch(3 * interval + 2)
@@ -156,7 +159,12 @@ def test_a_retry_runs_when_it_comes_due(workers: Workers, mode: str) -> None:
 def test_with_listen_dead_the_poll_still_finds_a_notified_job(workers: Workers) -> None:
     # The listen alias points at a port where no server runs: the NOTIFY reaches nobody.
     worker = workers.start(
-        "--listen-database", "listen", "--poll-interval", "2", "--reap-interval", "3600",
+        "--listen-database",
+        "listen",
+        "--poll-interval",
+        "2",
+        "--reap-interval",
+        "3600",
         env={"LISTEN_DATABASE_URL": "postgres://postgres@127.0.0.1:1/x"},
     )
     log = worker.wait_for_log("LISTEN connection to listen lost")

@@ -23,7 +23,6 @@ from tests.workers import Workers, counts, query, write_order
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-
 def test_jobs_claimed_after_sigterm_are_released_not_run(workers: Workers) -> None:
     worker = workers.start(
         "--concurrency", "2", "--poll-interval", "3600", "--reap-interval", "3600"
@@ -38,7 +37,8 @@ def test_jobs_claimed_after_sigterm_are_released_not_run(workers: Workers) -> No
         query("SELECT pg_notify('pgjobs', 'default')")
         wait_until(
             lambda: "Lock" in {wait for *_, wait in worker.activity().values()},
-            timeout=10, message="the worker's claim to wait on the lock",
+            timeout=10,
+            message="the worker's claim to wait on the lock",
         )
         # ... while it is asked to stop.
         worker.send(signal.SIGTERM)
@@ -74,7 +74,8 @@ def test_jobs_handed_out_before_the_stop_run_however_late_an_executor_takes_them
     assert (stats.claimed, stats.done, stats.released) == (2, 2, 0)
     assert query(
         "SELECT status, attempts, count(*) FROM pgjobs_job WHERE id = ANY(%s) "
-        "GROUP BY status, attempts ORDER BY status", [ids]
+        "GROUP BY status, attempts ORDER BY status",
+        [ids],
     ) == [("done", 1, 2), ("queued", 0, 1)]
 
 
@@ -84,7 +85,12 @@ def test_jobs_still_running_after_the_shutdown_timeout_are_left_to_their_lease(
     # Its order is written as it starts; then it takes 6 s.
     job_id = write_order.enqueue(email="slow@example.com", pause=6).id
     worker = workers.start(
-        "--shutdown-timeout", "1", "--concurrency", "1", "--poll-interval", "600",
+        "--shutdown-timeout",
+        "1",
+        "--concurrency",
+        "1",
+        "--poll-interval",
+        "600",
         test_jobs=True,
     )
     wait_until(Order.objects.exists, timeout=15, message="the job to be running")
@@ -98,8 +104,8 @@ def test_jobs_still_running_after_the_shutdown_timeout_are_left_to_their_lease(
     # Not done, not given back: still running on its first attempt until its lease ends and
     # the reaper takes it back.
     assert query(
-        "SELECT status, attempts, finished_at, locked_until > now() FROM pgjobs_job "
-        "WHERE id = %s", [job_id]
+        "SELECT status, attempts, finished_at, locked_until > now() FROM pgjobs_job WHERE id = %s",
+        [job_id],
     ) == [("running", 1, None, True)]
     assert counts() == {"running": 1}
     assert "0 lost; 0 released" in worker.output()
@@ -111,8 +117,11 @@ def test_a_looping_reaper_rides_out_a_database_restart(workers: Workers) -> None
     with ThrowawayPostgres() as pg:
         workers.run("migrate", "--verbosity", "0", database_url=pg.url, timeout=120)
         reaper = workers.command("reapjobs", "--loop", "--interval", "0.5", database_url=pg.url)
-        wait_until(lambda: "reaped 0 jobs" in reaper.output(), timeout=20,
-                   message="the reaper's first round")
+        wait_until(
+            lambda: "reaped 0 jobs" in reaper.output(),
+            timeout=20,
+            message="the reaper's first round",
+        )
 
         pg.restart(down_for=2)
         log = reaper.wait_for_log("reapjobs: database default unavailable")
@@ -130,9 +139,11 @@ def test_a_looping_reaper_rides_out_a_database_restart(workers: Workers) -> None
             assert row is not None
             job_id = row[0]
             wait_until(
-                lambda: f"job {job_id}: queued after 1 attempts" in reaper.output()
-                or not reaper.alive,
-                timeout=30, message="the reaper to reap the job",
+                lambda: (
+                    f"job {job_id}: queued after 1 attempts" in reaper.output() or not reaper.alive
+                ),
+                timeout=30,
+                message="the reaper to reap the job",
             )
             assert reaper.alive, reaper.tail()
             assert conn.execute(
@@ -143,4 +154,3 @@ def test_a_looping_reaper_rides_out_a_database_restart(workers: Workers) -> None
 
         reaper.send(signal.SIGTERM)
         assert reaper.wait(10) == 0, reaper.tail()
-

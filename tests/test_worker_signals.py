@@ -16,7 +16,6 @@ from tests.workers import Workers, counts, query, running
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-
 def ids_with(status: str) -> set[int]:
     return {row[0] for row in query("SELECT id FROM pgjobs_job WHERE status = %s", [status])}
 
@@ -52,8 +51,11 @@ def test_sigterm_stops_claiming_and_lets_running_jobs_finish(workers: Workers) -
         "OR attempts <> 0 OR locked_until IS NOT NULL OR started_at IS NOT NULL)"
     ) == [(0,)]
     assert "SIGTERM: stopping" in worker.log()
-    assert worker.output().strip().splitlines()[-1].startswith(
-        "ran 2 jobs: 2 done, 0 to retry, 0 failed, 0 lost"
+    assert (
+        worker.output()
+        .strip()
+        .splitlines()[-1]
+        .startswith("ran 2 jobs: 2 done, 0 to retry, 0 failed, 0 lost")
     )
 
 
@@ -77,19 +79,20 @@ def test_a_second_signal_exits_at_once_leaving_running_jobs_for_the_reaper(
     # Left as they were: running, first attempt, until their lease runs out.
     assert ids_with("running") == started
     assert ids_with("queued") and not ids_with("done")
-    assert query(
-        "SELECT DISTINCT attempts FROM pgjobs_job WHERE status = 'running'"
-    ) == [(1,)]
+    assert query("SELECT DISTINCT attempts FROM pgjobs_job WHERE status = 'running'") == [(1,)]
 
     # After the 2 s lease the reaper brings them back, the crashed attempt counted.
     wait_until(
-        lambda: query("SELECT bool_and(locked_until < now()) FROM pgjobs_job "
-                      "WHERE status = 'running'") == [(True,)],
-        timeout=5, message="the leases to expire",
+        lambda: (
+            query("SELECT bool_and(locked_until < now()) FROM pgjobs_job WHERE status = 'running'")
+            == [(True,)]
+        ),
+        timeout=5,
+        message="the leases to expire",
     )
     reaper = workers.run("reapjobs")
     assert "reaped 2 jobs: 2 requeued, 0 failed" in reaper.output()
     assert counts() == {"queued": 3}
-    assert query(
-        "SELECT id, attempts FROM pgjobs_job WHERE attempts > 0 ORDER BY id"
-    ) == [(job_id, 1) for job_id in sorted(started)]
+    assert query("SELECT id, attempts FROM pgjobs_job WHERE attempts > 0 ORDER BY id") == [
+        (job_id, 1) for job_id in sorted(started)
+    ]

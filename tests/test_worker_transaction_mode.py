@@ -20,7 +20,6 @@ from tests.workers import Workers, query, ran, write_order
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-
 def test_the_jobs_writes_commit_with_its_completion_or_roll_back_with_its_failure(
     workers: Workers,
 ) -> None:
@@ -50,8 +49,7 @@ def test_a_crash_rolls_the_claim_back_no_reap_needed(workers: Workers) -> None:
     worker = workers.start("--mode", "transaction", "--poll-interval", "600")
 
     def locked() -> bool:
-        return not query("SELECT id FROM pgjobs_job WHERE id = %s FOR UPDATE SKIP LOCKED",
-                         [job_id])
+        return not query("SELECT id FROM pgjobs_job WHERE id = %s FOR UPDATE SKIP LOCKED", [job_id])
 
     wait_until(locked, timeout=15, message="the worker to claim the job")
     # Running, but uncommitted: everyone else still sees the job queued, attempt 0.
@@ -60,7 +58,8 @@ def test_a_crash_rolls_the_claim_back_no_reap_needed(workers: Workers) -> None:
     # ... because the claim is an open transaction of the worker's, the one that wrote.
     assert query(
         "SELECT state FROM pg_stat_activity WHERE application_name = %s "
-        "AND backend_xid IS NOT NULL", [worker.app_name]
+        "AND backend_xid IS NOT NULL",
+        [worker.app_name],
     ) == [("idle in transaction",)]
 
     worker.send(signal.SIGKILL)
@@ -69,7 +68,10 @@ def test_a_crash_rolls_the_claim_back_no_reap_needed(workers: Workers) -> None:
 
     row = job_row(job_id)
     assert (row["status"], row["attempts"], row["locked_until"], row["started_at"]) == (
-        "queued", 0, None, None
+        "queued",
+        0,
+        None,
+        None,
     )
     assert row["last_error"] is None
 
@@ -77,7 +79,7 @@ def test_a_crash_rolls_the_claim_back_no_reap_needed(workers: Workers) -> None:
 def _tuples_line(notices: list[str]) -> tuple[str, int]:
     """The VACUUM VERBOSE 'tuples:' line for pgjobs_job and its dead-not-removable count."""
     for message in notices:
-        if message.startswith("finished vacuuming") and ".public.pgjobs_job\"" in message:
+        if message.startswith("finished vacuuming") and '.public.pgjobs_job"' in message:
             for line in message.splitlines():
                 found = re.match(
                     r"tuples: \d+ removed, \d+ remain, (\d+) are dead but not yet removable",
@@ -105,8 +107,13 @@ def test_an_open_transaction_holding_a_claim_keeps_vacuum_from_removing_dead_row
             # The seed's experiment: a transaction-mode claim left open (a slow job).
             held = holder.execute(
                 sql.CLAIM,
-                {"queue": "default", "limit": 1, "lease": timedelta(minutes=5), "worker_id": "t",
-                 "synchronous_commit": None},
+                {
+                    "queue": "default",
+                    "limit": 1,
+                    "lease": timedelta(minutes=5),
+                    "worker_id": "t",
+                    "synchronous_commit": None,
+                },
             ).fetchall()
             assert len(held) == 1
             worker = workers.burst("--concurrency", "4")

@@ -129,7 +129,11 @@ class Process:
         with open(self.out_path, "wb") as out, open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, *head, command, *args],
-                cwd=REPO, env=environ, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
+                cwd=REPO,
+                env=environ,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=log,
             )
 
     @property
@@ -217,7 +221,8 @@ class Process:
                 return False
             assert self.alive, self.tail()
             return (
-                len(now) >= 2 and {state for state, *_ in now.values()} == {"idle"}
+                len(now) >= 2
+                and {state for state, *_ in now.values()} == {"idle"}
                 and time.monotonic() - since[0] >= quiet
             )
 
@@ -232,7 +237,10 @@ class Workers:
         self.started: list[Process] = []
 
     def start(
-        self, *args: str, database_url: str | None = None, test_jobs: bool = False,
+        self,
+        *args: str,
+        database_url: str | None = None,
+        test_jobs: bool = False,
         env: dict[str, str] | None = None,
     ) -> Process:
         """``manage.py runjobs *args``; ``env`` adds to (or overrides) its environment."""
@@ -241,11 +249,19 @@ class Workers:
         )
 
     def command(
-        self, command: str, *args: str, database_url: str | None = None,
-        test_jobs: bool = False, env: dict[str, str] | None = None,
+        self,
+        command: str,
+        *args: str,
+        database_url: str | None = None,
+        test_jobs: bool = False,
+        env: dict[str, str] | None = None,
     ) -> Process:
         process = Process(
-            command, args, folder=self.folder, database_url=database_url, test_jobs=test_jobs,
+            command,
+            args,
+            folder=self.folder,
+            database_url=database_url,
+            test_jobs=test_jobs,
             env=env,
         )
         self.started.append(process)
@@ -266,7 +282,9 @@ class Workers:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         for process in self.started:
@@ -339,7 +357,9 @@ def run_time(job_id: int, timeout: float) -> float:
     """Seconds until the job is done, measured from now; fails after ``timeout``."""
     start = time.monotonic()
     wait_until(
-        lambda: job_row(job_id)["status"] == "done", timeout=timeout, interval=0.02,
+        lambda: job_row(job_id)["status"] == "done",
+        timeout=timeout,
+        interval=0.02,
         message=f"job {job_id} to be done",
     )
     return time.monotonic() - start

@@ -62,17 +62,23 @@ SPECS: tuple[PeerSpec, ...] = (
     # Django 6.0 has the tasks framework built in (it needs Python 3.12); on an older Python
     # the backend runs on Django 5.2 with the django-tasks backport (its ``compat`` extra).
     PeerSpec(
-        "django-tasks-db", "djtasks_driver.py",
-        ("django-tasks-db==0.13.0", "Django==6.0.10", PSYCOPG), min_python=(3, 12),
-        fallback=("django-tasks-db[compat]==0.13.0", "Django==5.2.19", "django-tasks==0.12.0",
-                  PSYCOPG),
+        "django-tasks-db",
+        "djtasks_driver.py",
+        ("django-tasks-db==0.13.0", "Django==6.0.10", PSYCOPG),
+        min_python=(3, 12),
+        fallback=(
+            "django-tasks-db[compat]==0.13.0",
+            "Django==5.2.19",
+            "django-tasks==0.12.0",
+            PSYCOPG,
+        ),
         has_bulk=False,
     ),
 )
 NAMES: tuple[str, ...] = tuple(spec.name for spec in SPECS)
 NO_BULK_REASON = {
     "django-tasks-db": "Django's tasks framework has no bulk enqueue: Task.enqueue() makes one "
-                       "row per call, and DatabaseBackend has no batch method",
+    "row per call, and DatabaseBackend has no batch method",
 }
 
 
@@ -92,7 +98,10 @@ def _python_version(exe: str) -> tuple[int, int] | None:
     try:
         done = subprocess.run(
             [exe, "-c", "import sys, venv, ensurepip; print(*sys.version_info[:2])"],
-            capture_output=True, text=True, timeout=30, check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -149,8 +158,10 @@ class Peers:
                 continue
             self.ready[spec.name] = ready
             extras = ", ".join(f"{k} {v}" for k, v in ready.versions.items() if k != "version")
-            self._say(f"peer {spec.name} {ready.versions['version']} ready ({extras}) "
-                      f"in {time.monotonic() - started:.0f} s")
+            self._say(
+                f"peer {spec.name} {ready.versions['version']} ready ({extras}) "
+                f"in {time.monotonic() - started:.0f} s"
+            )
         return list(self.ready)
 
     def _prepare_one(self, spec: PeerSpec) -> _Ready:
@@ -159,17 +170,32 @@ class Peers:
         python = venv / "bin" / "python"
         marker = venv / "bench-requirements.txt"
         wanted = "\n".join([f"# {python_exe}", *requirements]) + "\n"
-        reuse = (marker.exists() and marker.read_text() == wanted
-                 and _python_version(str(python)) is not None)
+        reuse = (
+            marker.exists()
+            and marker.read_text() == wanted
+            and _python_version(str(python)) is not None
+        )
         if not reuse:
             if venv.exists():
                 shutil.rmtree(venv)
             VENVS.mkdir(parents=True, exist_ok=True)
-            self._say(f"peer {spec.name}: creating {venv} ({python_exe}) and installing "
-                      f"{' '.join(requirements)} ...")
+            self._say(
+                f"peer {spec.name}: creating {venv} ({python_exe}) and installing "
+                f"{' '.join(requirements)} ..."
+            )
             self._check_call([python_exe, "-m", "venv", str(venv)], "python -m venv")
-            self._check_call([str(python), "-m", "pip", "install", "--quiet",
-                              "--disable-pip-version-check", *requirements], "pip install")
+            self._check_call(
+                [
+                    str(python),
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    *requirements,
+                ],
+                "pip install",
+            )
             marker.write_text(wanted)
         url = recreate(self.server_url, database_name(spec.name))
         ready = _Ready(spec=spec, python=python, url=url)
@@ -194,8 +220,14 @@ class Peers:
     def _check_call(self, command: list[str], what: str) -> None:
         self.log.write(f"\n$ {' '.join(command)}\n")
         self.log.flush()
-        done = subprocess.run(command, stdout=self.log, stderr=subprocess.PIPE, text=True,
-                              timeout=INSTALL_TIMEOUT, check=False)
+        done = subprocess.run(
+            command,
+            stdout=self.log,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=INSTALL_TIMEOUT,
+            check=False,
+        )
         self.log.write(done.stderr)
         self.log.flush()
         if done.returncode != 0:
@@ -207,8 +239,11 @@ class Peers:
         for name in self.ready:
             try:
                 with psycopg.connect(self.server_url, autocommit=True) as conn:
-                    conn.execute(pgsql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                        pgsql.Identifier(database_name(name))))
+                    conn.execute(
+                        pgsql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                            pgsql.Identifier(database_name(name))
+                        )
+                    )
             except psycopg.Error as exc:
                 self._say(f"peer {name}: could not drop its database: {exc}")
         self.ready.clear()
@@ -255,32 +290,59 @@ class Peers:
     def _drive(self, ready: _Ready, command: str) -> Any:
         sizes = self.sizes
         argv = [
-            str(ready.python), str(HERE / ready.spec.driver), command, "--dsn", ready.url,
-            "--jobs", str(sizes.jobs), "--concurrency", str(sizes.concurrency),
-            "--latency-jobs", str(sizes.latency_jobs), "--gap", str(sizes.latency_gap),
-            "--warmup", str(sizes.latency_warmup), "--scratch", str(self.scratch),
+            str(ready.python),
+            str(HERE / ready.spec.driver),
+            command,
+            "--dsn",
+            ready.url,
+            "--jobs",
+            str(sizes.jobs),
+            "--concurrency",
+            str(sizes.concurrency),
+            "--latency-jobs",
+            str(sizes.latency_jobs),
+            "--gap",
+            str(sizes.latency_gap),
+            "--warmup",
+            str(sizes.latency_warmup),
+            "--scratch",
+            str(self.scratch),
         ]
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "VIRTUAL_ENV")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "VIRTUAL_ENV")
+        }
         self.log.write(f"\n$ [{ready.spec.name}] {' '.join(argv)}\n")
         self.log.flush()
         try:
-            done = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True,
-                                  timeout=RUN_TIMEOUT, check=False)
+            done = subprocess.run(
+                argv,
+                cwd=HERE,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=RUN_TIMEOUT,
+                check=False,
+            )
         except subprocess.TimeoutExpired as exc:
-            raise PeerRunInvalid(f"peer {ready.spec.name} {command}: no result within "
-                                 f"{RUN_TIMEOUT:.0f} s") from exc
+            raise PeerRunInvalid(
+                f"peer {ready.spec.name} {command}: no result within {RUN_TIMEOUT:.0f} s"
+            ) from exc
         self.log.write(done.stderr)
         self.log.flush()
         if done.returncode != 0:
             tail = [line for line in done.stderr.splitlines() if line.strip()][-3:]
-            raise PeerRunInvalid(f"peer {ready.spec.name} {command} exited with "
-                                 f"{done.returncode}: {' | '.join(tail)}")
+            raise PeerRunInvalid(
+                f"peer {ready.spec.name} {command} exited with "
+                f"{done.returncode}: {' | '.join(tail)}"
+            )
         try:
             return json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError) as exc:
-            raise PeerRunInvalid(f"peer {ready.spec.name} {command}: no JSON on stdout: "
-                                 f"{done.stdout[-500:]!r}") from exc
+            raise PeerRunInvalid(
+                f"peer {ready.spec.name} {command}: no JSON on stdout: {done.stdout[-500:]!r}"
+            ) from exc
 
     def _say(self, line: str) -> None:
         print(line, flush=True)

@@ -29,17 +29,28 @@ WORKLOADS = ("w1", "w2_single", "w2_bulk", "w3")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--server", default=os.environ.get("BENCH_DATABASE_URL"),
-                        help="a PostgreSQL server URL (postgres://user@host:port/dbname); "
-                             "default BENCH_DATABASE_URL")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--server",
+        default=os.environ.get("BENCH_DATABASE_URL"),
+        help="a PostgreSQL server URL (postgres://user@host:port/dbname); "
+        "default BENCH_DATABASE_URL",
+    )
     parser.add_argument("--jobs", type=int, default=Sizes.jobs, help="jobs per W1 and W2 run")
     parser.add_argument("--runs", type=int, default=1, help="interleaved runs (default 1)")
-    parser.add_argument("--latency-jobs", type=int, default=Sizes.latency_jobs,
-                        help="W3's measured jobs (default 200)")
-    parser.add_argument("--peers", default=",".join(NAMES),
-                        help=f"comma-separated peers (default all: {','.join(NAMES)})")
+    parser.add_argument(
+        "--latency-jobs",
+        type=int,
+        default=Sizes.latency_jobs,
+        help="W3's measured jobs (default 200)",
+    )
+    parser.add_argument(
+        "--peers",
+        default=",".join(NAMES),
+        help=f"comma-separated peers (default all: {','.join(NAMES)})",
+    )
     parser.add_argument("--skip", default="", help="workloads to leave out: w1,w2,w3")
     parser.add_argument("--json", type=Path, help="where to write the raw figures")
     args = parser.parse_args(argv)
@@ -62,27 +73,42 @@ def fmt(value: float | None, spec: str = ",.0f") -> str:
 
 
 def table(peers: Peers, names: list[str], runs: dict[str, dict[str, list[Any]]]) -> str:
-    head = ("peer", "version", "W1 jobs/s", "W1 incl. start-up", "W1 CPU ms/job (net)",
-            "W2 single jobs/s", "W2 bulk jobs/s", "W3 p50 / p95 / p99 ms")
+    head = (
+        "peer",
+        "version",
+        "W1 jobs/s",
+        "W1 incl. start-up",
+        "W1 CPU ms/job (net)",
+        "W2 single jobs/s",
+        "W2 bulk jobs/s",
+        "W3 p50 / p95 / p99 ms",
+    )
     rows = [head]
     for name in names:
         got = runs[name]
         w1, w3 = got.get("w1", []), got.get("w3", [])
         bulk = got.get("w2_bulk", [])
-        rows.append((
-            name, peers.version(name),
-            fmt(median(w1, "jobs_per_s")), fmt(median(w1, "jobs_per_s_incl_startup")),
-            f'{fmt(median(w1, "worker_cpu_ms_per_job"), ".3f")} '
-            f'({fmt(median(w1, "worker_cpu_net_ms_per_job"), ".3f")})',
-            fmt(median(got.get("w2_single", []), "jobs_per_s")),
-            "null (no bulk API)" if bulk and all(r is None for r in bulk)
-            else fmt(median(bulk, "jobs_per_s")),
-            " / ".join(fmt(median(w3, k), ".2f") for k in ("p50_ms", "p95_ms", "p99_ms"))
-            if w3 else "n/a",
-        ))
+        rows.append(
+            (
+                name,
+                peers.version(name),
+                fmt(median(w1, "jobs_per_s")),
+                fmt(median(w1, "jobs_per_s_incl_startup")),
+                f"{fmt(median(w1, 'worker_cpu_ms_per_job'), '.3f')} "
+                f"({fmt(median(w1, 'worker_cpu_net_ms_per_job'), '.3f')})",
+                fmt(median(got.get("w2_single", []), "jobs_per_s")),
+                "null (no bulk API)"
+                if bulk and all(r is None for r in bulk)
+                else fmt(median(bulk, "jobs_per_s")),
+                " / ".join(fmt(median(w3, k), ".2f") for k in ("p50_ms", "p95_ms", "p99_ms"))
+                if w3
+                else "n/a",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
-             for row in rows]
+    lines = [
+        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -91,13 +117,16 @@ def headline(key: str, result: dict[str, Any] | None) -> str:
     if result is None:
         return "null (no bulk API)"
     if key == "w3":
-        return (f"p50 {result['p50_ms']:.2f} ms, p95 {result['p95_ms']:.2f}, "
-                f"p99 {result['p99_ms']:.2f}")
+        return (
+            f"p50 {result['p50_ms']:.2f} ms, p95 {result['p95_ms']:.2f}, p99 {result['p99_ms']:.2f}"
+        )
     text = f"{result['jobs_per_s']:,.0f} jobs/s"
     if key == "w1":
-        text += (f" ({result['jobs_per_s_incl_startup']:,.0f} incl. start-up, "
-                 f"{result['worker_cpu_ms_per_job']:.3f} ms CPU/job, "
-                 f"{result['worker_cpu_net_ms_per_job']:.3f} net of start-up)")
+        text += (
+            f" ({result['jobs_per_s_incl_startup']:,.0f} incl. start-up, "
+            f"{result['worker_cpu_ms_per_job']:.3f} ms CPU/job, "
+            f"{result['worker_cpu_net_ms_per_job']:.3f} net of start-up)"
+        )
     return text
 
 
@@ -115,7 +144,8 @@ def main(argv: list[str]) -> int:
             names = peers.prepare(args.peers)
             out["versions"] = {name: peers.versions(name) for name in names}
             plan: list[tuple[str, Callable[[str], dict[str, Any] | None]]] = [
-                (key, getattr(peers, key)) for key in WORKLOADS
+                (key, getattr(peers, key))
+                for key in WORKLOADS
                 if key.split("_")[0] not in args.skip
             ]
             runs: dict[str, dict[str, list[Any]]] = {name: {} for name in names}
@@ -127,11 +157,16 @@ def main(argv: list[str]) -> int:
                         started = time.monotonic()
                         result = step(name)
                         runs[name].setdefault(key, []).append(result)
-                        print(f"  {name:<16} {key:<10} {headline(key, result):<62} "
-                              f"({time.monotonic() - started:.1f} s)", flush=True)
-            print(f"\n== peers: median of {sizes.runs} run(s), {sizes.jobs:,} jobs per W1/W2 "
-                  f"run, W3 {sizes.latency_jobs} jobs {sizes.latency_gap * 1000:.0f} ms apart "
-                  "==\n")
+                        print(
+                            f"  {name:<16} {key:<10} {headline(key, result):<62} "
+                            f"({time.monotonic() - started:.1f} s)",
+                            flush=True,
+                        )
+            print(
+                f"\n== peers: median of {sizes.runs} run(s), {sizes.jobs:,} jobs per W1/W2 "
+                f"run, W3 {sizes.latency_jobs} jobs {sizes.latency_gap * 1000:.0f} ms apart "
+                "==\n"
+            )
             print(table(peers, names, runs))
             for name in names:
                 if name in NO_BULK_REASON and "w2" not in args.skip:

@@ -131,20 +131,36 @@ def empty_run_cpu(commands: list[list[str]], env: dict[str, str]) -> float:
 
 
 def w1_result(
-    *, jobs: int, concurrency: int | None, processes: int, spawned: float, first_start: float,
-    last_done: float, exited: float, cpu_s: float, empty_cpu_s: float, **extra: Any,
+    *,
+    jobs: int,
+    concurrency: int | None,
+    processes: int,
+    spawned: float,
+    first_start: float,
+    last_done: float,
+    exited: float,
+    cpu_s: float,
+    empty_cpu_s: float,
+    **extra: Any,
 ) -> dict[str, Any]:
     """W1's figures. ``jobs_per_s``: first job start -> last completion, from the peer's own
     timestamps (the project's W1 definition); ``jobs_per_s_incl_startup``: from the spawn."""
     span = last_done - first_start
     incl = last_done - spawned
     return {
-        "jobs": jobs, "concurrency": concurrency, "processes": processes,
-        "span_s": span, "jobs_per_s": jobs / span if span > 0 else None,
-        "seconds": incl, "jobs_per_s_incl_startup": jobs / incl if incl > 0 else None,
-        "wall_s": exited - spawned, "worker_cpu_s": cpu_s,
-        "worker_cpu_ms_per_job": cpu_s * 1000 / jobs, "empty_run_cpu_s": empty_cpu_s,
-        "worker_cpu_net_ms_per_job": (cpu_s - empty_cpu_s) * 1000 / jobs, **extra,
+        "jobs": jobs,
+        "concurrency": concurrency,
+        "processes": processes,
+        "span_s": span,
+        "jobs_per_s": jobs / span if span > 0 else None,
+        "seconds": incl,
+        "jobs_per_s_incl_startup": jobs / incl if incl > 0 else None,
+        "wall_s": exited - spawned,
+        "worker_cpu_s": cpu_s,
+        "worker_cpu_ms_per_job": cpu_s * 1000 / jobs,
+        "empty_run_cpu_s": empty_cpu_s,
+        "worker_cpu_net_ms_per_job": (cpu_s - empty_cpu_s) * 1000 / jobs,
+        **extra,
     }
 
 
@@ -187,31 +203,41 @@ def wait_for_stamp(path: Path, seq: int, reaper: Reaper, timeout: float = 120.0)
     while time.monotonic() < deadline:
         if not reaper.alive():
             raise RunInvalid(f"W3: the worker exited with {reaper.code} before taking a job")
-        if path.exists() and any(line.split()[0] == str(seq)
-                                 for line in path.read_text().splitlines()):
+        if path.exists() and any(
+            line.split()[0] == str(seq) for line in path.read_text().splitlines()
+        ):
             return
         time.sleep(0.02)
     raise RunInvalid(f"W3: the warm-up job did not start within {timeout:.0f} s")
 
 
 def w3_result(
-    committed: dict[int, float], started: dict[int, float], warmup: int, gap: float,
+    committed: dict[int, float],
+    started: dict[int, float],
+    warmup: int,
+    gap: float,
     **extra: Any,
 ) -> dict[str, Any]:
-    latencies = sorted(
-        (started[seq] - committed[seq]) * 1000 for seq in committed if seq >= warmup
-    )
+    latencies = sorted((started[seq] - committed[seq]) * 1000 for seq in committed if seq >= warmup)
     cuts = statistics.quantiles(latencies, n=100, method="inclusive")
     return {
-        "jobs": len(latencies), "gap_s": gap, "p50_ms": cuts[49], "p95_ms": cuts[94],
-        "p99_ms": cuts[98], "min_ms": latencies[0], "max_ms": latencies[-1],
-        "latencies_ms": latencies, **extra,
+        "jobs": len(latencies),
+        "gap_s": gap,
+        "p50_ms": cuts[49],
+        "p95_ms": cuts[94],
+        "p99_ms": cuts[98],
+        "min_ms": latencies[0],
+        "max_ms": latencies[-1],
+        "latencies_ms": latencies,
+        **extra,
     }
 
 
 def w3_run(
-    args: argparse.Namespace, start_worker: Callable[[], Reaper],
-    enqueue: Callable[[int, str], float], **extra: Any,
+    args: argparse.Namespace,
+    start_worker: Callable[[], Reaper],
+    enqueue: Callable[[int, str], float],
+    **extra: Any,
 ) -> dict[str, Any]:
     """W3 for any peer: ``enqueue(seq, out)`` returns ``time.time()`` right after its commit."""
     out = Path(args.scratch or "/tmp") / f"peer-stamps-{os.getpid()}.txt"  # noqa: S108

@@ -46,8 +46,18 @@ def django_setup(dsn: str) -> None:
 def worker_command(*extra: str) -> list[str]:
     # -v 0: no log line per task (the django-pgjobs workers of the suite log at WARNING);
     # --no-reload: DEBUG is off anyway, said for clarity.
-    return [sys.executable, "-m", "django", "db_worker", "--settings", SETTINGS,
-            "--no-reload", "-v", "0", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "django",
+        "db_worker",
+        "--settings",
+        SETTINGS,
+        "--no-reload",
+        "-v",
+        "0",
+        *extra,
+    ]
 
 
 class Db:
@@ -86,8 +96,10 @@ class Db:
             for status, workers in rows:
                 key = (status, len(workers))
                 states[key] = states.get(key, 0) + 1
-            raise RunInvalid(f"{what}: expected {n} tasks successful after one claim, found "
-                             f"{ok} of {len(rows)} ((status, claims): count {states})")
+            raise RunInvalid(
+                f"{what}: expected {n} tasks successful after one claim, found "
+                f"{ok} of {len(rows)} ((status, claims): count {states})"
+            )
 
     def check_queued(self, n: int, what: str) -> None:
         found = self.model.objects.filter(status="READY").count()
@@ -120,10 +132,18 @@ def w1(args: Any) -> dict[str, Any]:
     first, last = db.span()
     db.reset()
     empty_cpu = empty_run_cpu([command] * processes, worker_env(args.dsn))
-    return w1_result(jobs=n, concurrency=processes, processes=processes, spawned=spawned,
-                     first_start=first, last_done=last, exited=exited, cpu_s=cpu,
-                     empty_cpu_s=empty_cpu,
-                     mode="db_worker --batch, one process per unit of concurrency")
+    return w1_result(
+        jobs=n,
+        concurrency=processes,
+        processes=processes,
+        spawned=spawned,
+        first_start=first,
+        last_done=last,
+        exited=exited,
+        cpu_s=cpu,
+        empty_cpu_s=empty_cpu,
+        mode="db_worker --batch, one process per unit of concurrency",
+    )
 
 
 def w2_single(args: Any) -> dict[str, Any]:
@@ -147,8 +167,12 @@ def w3(args: Any) -> dict[str, Any]:
     db = Db()
 
     def start() -> Reaper:
-        return Reaper(spawn(worker_command("--interval", str(POLL_INTERVAL)),
-                            worker_env(args.dsn, DJANGO_SETTINGS_MODULE=SETTINGS)))
+        return Reaper(
+            spawn(
+                worker_command("--interval", str(POLL_INTERVAL)),
+                worker_env(args.dsn, DJANGO_SETTINGS_MODULE=SETTINGS),
+            )
+        )
 
     def enqueue(seq: int, out: str) -> float:
         stamp.enqueue(seq=seq, out=out)
@@ -171,8 +195,12 @@ def setup(args: Any) -> dict[str, Any]:
 def versions() -> dict[str, Any]:
     import django
 
-    out = {"version": version("django-tasks-db"), "django": django.get_version(),
-           "psycopg": version("psycopg"), "python": sys.version.split()[0]}
+    out = {
+        "version": version("django-tasks-db"),
+        "django": django.get_version(),
+        "psycopg": version("psycopg"),
+        "python": sys.version.split()[0],
+    }
     try:
         out["django-tasks"] = version("django-tasks")
     except PackageNotFoundError:

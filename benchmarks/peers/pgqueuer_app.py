@@ -57,8 +57,12 @@ async def main() -> AsyncIterator[PgQueuer]:
 
 
 def run(mode: str) -> None:
-    worker = pgqueuer.run(main, mode=QueueExecutionMode[mode], batch_size=BATCH_SIZE,
-                          dequeue_timeout=timedelta(seconds=30))
+    worker = pgqueuer.run(
+        main,
+        mode=QueueExecutionMode[mode],
+        batch_size=BATCH_SIZE,
+        dequeue_timeout=timedelta(seconds=30),
+    )
     try:
         import uvloop
     except ImportError:

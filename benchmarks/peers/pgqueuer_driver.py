@@ -63,14 +63,22 @@ async def check_done(conn: asyncpg.Connection, ids: list[int], what: str) -> Non
     left = await conn.fetchval("SELECT count(*) FROM pgqueuer")
     rows = await conn.fetch(
         "SELECT status::text, count(*) AS n, count(DISTINCT job_id) AS jobs FROM pgqueuer_log "
-        "WHERE job_id = ANY($1::bigint[]) GROUP BY 1", ids)
+        "WHERE job_id = ANY($1::bigint[]) GROUP BY 1",
+        ids,
+    )
     by = {r["status"]: (r["n"], r["jobs"]) for r in rows}
     n = len(ids)
-    ok = (left == 0 and by.get("successful") == (n, n) and by.get("picked") == (n, n)
-          and set(by) <= {"queued", "picked", "successful"})
+    ok = (
+        left == 0
+        and by.get("successful") == (n, n)
+        and by.get("picked") == (n, n)
+        and set(by) <= {"queued", "picked", "successful"}
+    )
     if not ok:
-        raise RunInvalid(f"{what}: expected {n} jobs picked once and successful, found "
-                         f"{left} left in the queue and log (rows, jobs) {by}")
+        raise RunInvalid(
+            f"{what}: expected {n} jobs picked once and successful, found "
+            f"{left} left in the queue and log (rows, jobs) {by}"
+        )
 
 
 async def check_queued(conn: asyncpg.Connection, n: int, what: str) -> None:
@@ -98,15 +106,25 @@ async def w1(args: Any) -> dict[str, Any]:
         first, last = await conn.fetchrow(
             "SELECT extract(epoch FROM min(created) FILTER (WHERE status = 'picked'))::float8, "
             "extract(epoch FROM max(created) FILTER (WHERE status = 'successful'))::float8 "
-            "FROM pgqueuer_log")
+            "FROM pgqueuer_log"
+        )
         await reset(conn)
         empty_cpu = await asyncio.to_thread(empty_run_cpu, commands, env)
     finally:
         await conn.close()
-    return w1_result(jobs=n, concurrency=None, processes=1, spawned=spawned, first_start=first,
-                     last_done=last, exited=exited, cpu_s=cpu, empty_cpu_s=empty_cpu,
-                     batch_size=BATCH_SIZE,
-                     mode="drain")
+    return w1_result(
+        jobs=n,
+        concurrency=None,
+        processes=1,
+        spawned=spawned,
+        first_start=first,
+        last_done=last,
+        exited=exited,
+        cpu_s=cpu,
+        empty_cpu_s=empty_cpu,
+        batch_size=BATCH_SIZE,
+        mode="drain",
+    )
 
 
 async def w2_single(args: Any) -> dict[str, Any]:
@@ -162,8 +180,12 @@ def w3(args: Any) -> dict[str, Any]:
 
     try:
         loop.run_until_complete(reset(conn))
-        result = w3_run(args, start, lambda seq, out: loop.run_until_complete(enqueue(seq, out)),
-                        listen_notify=True)
+        result = w3_run(
+            args,
+            start,
+            lambda seq, out: loop.run_until_complete(enqueue(seq, out)),
+            listen_notify=True,
+        )
         loop.run_until_complete(check_done(conn, ids, "W3"))
         loop.run_until_complete(reset(conn))
     finally:
@@ -181,8 +203,11 @@ def main() -> None:
     args = parser("pgqueuer driver of the django-pgjobs peer benchmark").parse_args()
     commands = {
         "setup": lambda: setup(args),
-        "version": lambda: {"version": version("pgqueuer"), "asyncpg": version("asyncpg"),
-                            "python": sys.version.split()[0]},
+        "version": lambda: {
+            "version": version("pgqueuer"),
+            "asyncpg": version("asyncpg"),
+            "python": sys.version.split()[0],
+        },
         "w1": lambda: asyncio.run(w1(args)),
         "w2-single": lambda: asyncio.run(w2_single(args)),
         "w2-bulk": lambda: asyncio.run(w2_bulk(args)),

@@ -36,8 +36,14 @@ from _common import (
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "procrastinate", "--app=procrastinate_app.app",
-            "--log-level=warning", *args]
+    return [
+        sys.executable,
+        "-m",
+        "procrastinate",
+        "--app=procrastinate_app.app",
+        "--log-level=warning",
+        *args,
+    ]
 
 
 def app_for(dsn: str) -> Any:
@@ -61,8 +67,10 @@ class Db:
         return row[0] if row else None
 
     def reset(self) -> None:
-        self.conn.execute("TRUNCATE procrastinate_jobs, procrastinate_events, "
-                          "procrastinate_workers, procrastinate_periodic_defers CASCADE")
+        self.conn.execute(
+            "TRUNCATE procrastinate_jobs, procrastinate_events, "
+            "procrastinate_workers, procrastinate_periodic_defers CASCADE"
+        )
         self.checkpoint()
 
     def checkpoint(self) -> None:
@@ -82,8 +90,10 @@ class Db:
             states = self.conn.execute(
                 "SELECT status::text, attempts, count(*) FROM procrastinate_jobs GROUP BY 1, 2"
             ).fetchall()
-            raise RunInvalid(f"{what}: expected {n} jobs succeeded after one start, found {ok} "
-                             f"of {total} (status, attempts, count: {states})")
+            raise RunInvalid(
+                f"{what}: expected {n} jobs succeeded after one start, found {ok} "
+                f"of {total} (status, attempts, count: {states})"
+            )
 
     def check_queued(self, n: int, what: str) -> None:
         found = self.one("SELECT count(*) FROM procrastinate_jobs WHERE status = 'todo'")
@@ -107,14 +117,24 @@ def w1(args: Any) -> dict[str, Any]:
         first, last = db.conn.execute(
             "SELECT extract(epoch FROM min(at) FILTER (WHERE type = 'started'))::float8, "
             "extract(epoch FROM max(at) FILTER (WHERE type = 'succeeded'))::float8 "
-            "FROM procrastinate_events").fetchone() or (0.0, 0.0)
+            "FROM procrastinate_events"
+        ).fetchone() or (0.0, 0.0)
         db.reset()
         empty_cpu = empty_run_cpu([command], worker_env(args.dsn))
     finally:
         db.close()
-    return w1_result(jobs=n, concurrency=args.concurrency, processes=1, spawned=spawned,
-                     first_start=first, last_done=last, exited=exited, cpu_s=cpu,
-                     empty_cpu_s=empty_cpu, mode="--one-shot")
+    return w1_result(
+        jobs=n,
+        concurrency=args.concurrency,
+        processes=1,
+        spawned=spawned,
+        first_start=first,
+        last_done=last,
+        exited=exited,
+        cpu_s=cpu,
+        empty_cpu_s=empty_cpu,
+        mode="--one-shot",
+    )
 
 
 def _timed_enqueue(args: Any, what: str, enqueue: Callable[[Any, int], int]) -> float:
@@ -163,8 +183,9 @@ def w3(args: Any) -> dict[str, Any]:
     def start() -> Reaper:
         # LISTEN/NOTIFY is on by default (--listen-notify); the polling interval stays at
         # its default as the fallback.
-        return Reaper(spawn(cli("worker", "--concurrency", str(args.concurrency)),
-                            worker_env(args.dsn)))
+        return Reaper(
+            spawn(cli("worker", "--concurrency", str(args.concurrency)), worker_env(args.dsn))
+        )
 
     def enqueue(seq: int, out: str) -> float:
         stamp.defer(seq=seq, out=out)
@@ -190,8 +211,11 @@ def main() -> None:
     args = parser("procrastinate driver of the django-pgjobs peer benchmark").parse_args()
     commands = {
         "setup": lambda: setup(args),
-        "version": lambda: {"version": version("procrastinate"), "psycopg": version("psycopg"),
-                            "python": sys.version.split()[0]},
+        "version": lambda: {
+            "version": version("procrastinate"),
+            "psycopg": version("psycopg"),
+            "python": sys.version.split()[0],
+        },
         "w1": lambda: w1(args),
         "w2-single": lambda: w2_single(args),
         "w2-bulk": lambda: w2_bulk(args),

@@ -34,7 +34,9 @@ class Migration(migrations.Migration):
                 migrations.AddField(
                     "archivedjob", "attempted_at", models.DateTimeField(blank=True, null=True)
                 ),
-                migrations.AddField("archivedjob", "result", models.JSONField(blank=True, null=True)),
+                migrations.AddField(
+                    "archivedjob", "result", models.JSONField(blank=True, null=True)
+                ),
                 migrations.AddField("archivedjob", "errors", models.JSONField(default=list)),
                 migrations.AddField("archivedjob", "worker_ids", models.JSONField(default=list)),
             ],

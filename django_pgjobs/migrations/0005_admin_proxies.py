@@ -4,36 +4,33 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('django_pgjobs', '0004_job_finished_indexes'),
+        ("django_pgjobs", "0004_job_finished_indexes"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='FailedJob',
-            fields=[
-            ],
+            name="FailedJob",
+            fields=[],
             options={
-                'verbose_name': 'failed job',
-                'verbose_name_plural': 'failed jobs',
-                'proxy': True,
-                'indexes': [],
-                'constraints': [],
+                "verbose_name": "failed job",
+                "verbose_name_plural": "failed jobs",
+                "proxy": True,
+                "indexes": [],
+                "constraints": [],
             },
-            bases=('django_pgjobs.job',),
+            bases=("django_pgjobs.job",),
         ),
         migrations.CreateModel(
-            name='QueueDashboard',
-            fields=[
-            ],
+            name="QueueDashboard",
+            fields=[],
             options={
-                'verbose_name': 'queue dashboard',
-                'verbose_name_plural': 'queue dashboard',
-                'proxy': True,
-                'indexes': [],
-                'constraints': [],
+                "verbose_name": "queue dashboard",
+                "verbose_name_plural": "queue dashboard",
+                "proxy": True,
+                "indexes": [],
+                "constraints": [],
             },
-            bases=('django_pgjobs.job',),
+            bases=("django_pgjobs.job",),
         ),
     ]

@@ -54,7 +54,11 @@ class _Running:
 
 class Completer(threading.Thread):
     def __init__(
-        self, manager: JobManager, lease: timedelta, stats: WorkerStats, worker_id: str,
+        self,
+        manager: JobManager,
+        lease: timedelta,
+        stats: WorkerStats,
+        worker_id: str,
         on_retry: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="pgjobs-completer", daemon=True)
@@ -123,7 +127,8 @@ class Completer(threading.Thread):
                         # rest one at a time, so one bad row cannot strand the others.
                         logger.exception(
                             "recording %s outcomes failed; recording them one at a time",
-                            len(batch), extra={"action": "complete"},
+                            len(batch),
+                            extra={"action": "complete"},
                         )
                         self._write_each(batch)
                     self._heartbeat()
@@ -131,7 +136,8 @@ class Completer(threading.Thread):
                 except ImproperlyConfigured:
                     logger.exception(
                         "completer stopped; %s outcomes not recorded (their leases will expire)",
-                        len(batch), extra={"action": "complete"},
+                        len(batch),
+                        extra={"action": "complete"},
                     )
                     return
                 except Exception as exc:
@@ -166,7 +172,8 @@ class Completer(threading.Thread):
                     raise
                 logger.exception(
                     "could not record the outcome of job %s; its lease will expire and the "
-                    "reaper will take it back", outcome.job.id,
+                    "reaper will take it back",
+                    outcome.job.id,
                     extra={"action": outcome.action, "job_id": outcome.job.id},
                 )
             batch.pop(0)
@@ -230,6 +237,7 @@ class Completer(threading.Thread):
             logger.error(
                 "gave up recording %s outcomes (database unavailable); their leases will "
                 "expire and the reaper will requeue them: %s",
-                len(pending), ", ".join(str(o.job.id) for o in pending),
+                len(pending),
+                ", ".join(str(o.job.id) for o in pending),
                 extra={"action": "complete"},
             )

@@ -60,8 +60,10 @@ class Backoff:
         self.delay = min(max(self.delay * 2, 0.5), self.ceiling)
         logger.warning(
             "%s: database %s unavailable (%s); reconnecting in %.1f s",
-            self.what, alias, str(exc).strip().splitlines()[0] if str(exc).strip() else
-            type(exc).__name__, self.delay,
+            self.what,
+            alias,
+            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            self.delay,
             extra={"action": "reconnect"},
         )
         reset(alias)

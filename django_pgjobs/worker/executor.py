@@ -65,8 +65,10 @@ def call(job: ClaimedJob, ctx: JobContext) -> Outcome:
         failure = Failure.from_exception(exc)
         if unavailable(exc):
             logger.warning(
-                "job %s %s attempt %s met a database outage; releasing it (attempt not "
-                "counted)", job.id, job.task, job.attempts,
+                "job %s %s attempt %s met a database outage; releasing it (attempt not counted)",
+                job.id,
+                job.task,
+                job.attempts,
                 extra={"action": "release", "job_id": job.id, "attempts": job.attempts},
             )
             return Outcome(job, RELEASE, duration, failure)
@@ -78,8 +80,12 @@ def call(job: ClaimedJob, ctx: JobContext) -> Outcome:
 
 def context(job: ClaimedJob) -> JobContext:
     return JobContext(
-        id=job.id, task=job.task, queue=job.queue, attempts=job.attempts,
-        max_attempts=job.max_attempts, payload=job.payload,
+        id=job.id,
+        task=job.task,
+        queue=job.queue,
+        attempts=job.attempts,
+        max_attempts=job.max_attempts,
+        payload=job.payload,
     )
 
 
@@ -144,7 +150,9 @@ class Executor(threading.Thread):
             self.stats.add("lost")
             logger.warning(
                 "job %s %s attempt %s lost its lease while running; outcome not recorded",
-                job.id, job.task, job.attempts,
+                job.id,
+                job.task,
+                job.attempts,
                 extra={"action": "extend_lease", "job_id": job.id, "attempts": job.attempts},
             )
             return
@@ -159,7 +167,10 @@ class Executor(threading.Thread):
         try:
             with transaction.atomic(using=alias):
                 jobs = self.manager.claim(
-                    ticket.queue, limit=1, lease=self.lease, mode="transaction",
+                    ticket.queue,
+                    limit=1,
+                    lease=self.lease,
+                    mode="transaction",
                     worker_id=self.worker_id,
                 )
                 ticket.found = bool(jobs)
@@ -191,8 +202,6 @@ class Executor(threading.Thread):
     def _finish_in_transaction(self, outcome: Outcome) -> str | None:
         job = outcome.job
         if outcome.failure:
-            return self.manager.fail(
-                job.id, job.attempts, outcome.failure, backoff=outcome.backoff
-            )
+            return self.manager.fail(job.id, job.attempts, outcome.failure, backoff=outcome.backoff)
         done = self.manager.complete(job.id, job.attempts, outcome.result)
         return "done" if done else None

@@ -49,15 +49,18 @@ class WorkerStats:
 # The status a fenced write left the job in -> what became of it; None: the fence refused us.
 OUTCOMES = {"done": "done", "queued": "retry", "failed": "failed"}
 COUNTERS = {
-    "done": "done", "retry": "retried", "failed": "failed", "lost": "lost",
-    "claimed": "claimed", "released": "released", "reaped": "reaped",
+    "done": "done",
+    "retry": "retried",
+    "failed": "failed",
+    "lost": "lost",
+    "claimed": "claimed",
+    "released": "released",
+    "reaped": "reaped",
 }
 _COUNTER_NAMES = frozenset(COUNTERS.values())
 
 
-def finished(
-    outcome: Outcome, status: str | None, *, stats: WorkerStats, worker_id: str
-) -> None:
+def finished(outcome: Outcome, status: str | None, *, stats: WorkerStats, worker_id: str) -> None:
     """Count and log a job whose outcome was written (``status`` None: fenced out)."""
     result = OUTCOMES.get(status or "", "lost")
     stats.add(COUNTERS[result])
@@ -69,8 +72,10 @@ def log_outcome(
     job: ClaimedJob, outcome: str, duration: float, worker_id: str, error: str | None = None
 ) -> None:
     """The one line per finished job: id, task, attempt, outcome, duration."""
-    level = logging.INFO if error is None else (
-        logging.ERROR if outcome in ("failed", "lost") else logging.WARNING
+    level = (
+        logging.INFO
+        if error is None
+        else (logging.ERROR if outcome in ("failed", "lost") else logging.WARNING)
     )
     if not logger.isEnabledFor(level):
         return  # the common case under load at WARNING: build nothing

@@ -76,11 +76,13 @@ class Worker:
         if self.lease < timedelta(seconds=1):
             raise InvalidJobOptions(f"Invalid lease {self.lease}: a worker needs 1 s or more.")
         self.poll_interval = _seconds(
-            "poll_interval", conf.poll_interval() if poll_interval is None else poll_interval,
+            "poll_interval",
+            conf.poll_interval() if poll_interval is None else poll_interval,
             minimum=0.01,
         )
         self.reap_interval = _seconds(
-            "reap_interval", conf.reap_interval() if reap_interval is None else reap_interval,
+            "reap_interval",
+            conf.reap_interval() if reap_interval is None else reap_interval,
             minimum=0,
         )
         self.mode = conf.mode() if mode is None else mode
@@ -89,9 +91,7 @@ class Worker:
         self.burst = burst
         self.max_jobs = None if max_jobs is None else validation.positive_int("max_jobs", max_jobs)
         self.database = database or conf.database()
-        self.listen_database = (
-            listen_database or conf.get("LISTEN_DATABASE") or self.database
-        )
+        self.listen_database = listen_database or conf.get("LISTEN_DATABASE") or self.database
         for alias in (self.database, self.listen_database):
             if alias not in connections:
                 raise InvalidJobOptions(f"Unknown database alias {alias!r}: see DATABASES.")
@@ -138,13 +138,15 @@ class Worker:
         name = signal.Signals(signum).name
         if self._signals > 1:
             logger.warning(
-                "%s again: exiting now; jobs still running come back after their lease", name,
+                "%s again: exiting now; jobs still running come back after their lease",
+                name,
                 extra={"action": "shutdown", "worker_id": self.worker_id},
             )
             os._exit(1)
         logger.info(
             "%s: stopping (running jobs may take %.0f s to finish; signal again to exit now)",
-            name, self.shutdown_timeout,
+            name,
+            self.shutdown_timeout,
             extra={"action": "shutdown", "worker_id": self.worker_id},
         )
         # Not stop() here: the handler runs in the producer's thread, which may hold the lock
@@ -170,8 +172,13 @@ class Worker:
         logger.info(
             "worker %s starting: queues %s, %s mode, concurrency %s, batch %s, lease %.0f s, "
             "poll %.0f s, reap %s",
-            self.worker_id, ",".join(self.queues), self.mode, self.concurrency,
-            self.batch_size, self.lease.total_seconds(), self.poll_interval,
+            self.worker_id,
+            ",".join(self.queues),
+            self.mode,
+            self.concurrency,
+            self.batch_size,
+            self.lease.total_seconds(),
+            self.poll_interval,
             f"{self.reap_interval:.0f} s" if self.reap_interval else "off",
             extra={"action": "start", "worker_id": self.worker_id},
         )
@@ -181,9 +188,16 @@ class Worker:
         )
         executors = [
             Executor(
-                i, self._handoff, manager=self.manager, completer=completer, lease=self.lease,
-                stopping=self.stopping, on_done=self._job_done, stats=self.stats,
-                worker_id=self.worker_id, on_retry=self._on_retry,
+                i,
+                self._handoff,
+                manager=self.manager,
+                completer=completer,
+                lease=self.lease,
+                stopping=self.stopping,
+                on_done=self._job_done,
+                stats=self.stats,
+                worker_id=self.worker_id,
+                on_retry=self._on_retry,
             )
             for i in range(self.concurrency)
         ]
@@ -199,8 +213,11 @@ class Worker:
         finally:
             self._shut_down(executors, completer, listener)
         logger.info(
-            "worker %s stopped after %.1f s: %s", self.worker_id, time.monotonic() - started,
-            self.stats.summary(), extra={"action": "stop", "worker_id": self.worker_id},
+            "worker %s stopped after %.1f s: %s",
+            self.worker_id,
+            time.monotonic() - started,
+            self.stats.summary(),
+            extra={"action": "stop", "worker_id": self.worker_id},
         )
         return self.stats
 
@@ -345,7 +362,9 @@ class Worker:
         if still:
             logger.warning(
                 "%s jobs still running after the %.0f s shutdown timeout; their leases will "
-                "expire and the reaper will requeue them", len(still), self.shutdown_timeout,
+                "expire and the reaper will requeue them",
+                len(still),
+                self.shutdown_timeout,
                 extra={"action": "shutdown", "worker_id": self.worker_id},
             )
         completer.close(timeout=max(self.shutdown_timeout, 5.0))

@@ -19,15 +19,24 @@ class Command(BaseCommand):
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
         parser.add_argument(
-            "--idle-threshold", type=float, default=5.0, metavar="SECONDS",
+            "--idle-threshold",
+            type=float,
+            default=5.0,
+            metavar="SECONDS",
             help="Report sessions idle in transaction longer than this (default 5).",
         )
         parser.add_argument(
-            "--transaction-threshold", type=float, default=300.0, metavar="SECONDS",
+            "--transaction-threshold",
+            type=float,
+            default=300.0,
+            metavar="SECONDS",
             help="Report the oldest open transaction when older than this (default 300).",
         )
         parser.add_argument(
-            "--lag-threshold", type=float, default=300.0, metavar="SECONDS",
+            "--lag-threshold",
+            type=float,
+            default=300.0,
+            metavar="SECONDS",
             help="Report a queue whose oldest ready job waited longer (default 300).",
         )
         parser.add_argument("--database", help="Database alias of the jobs table.")

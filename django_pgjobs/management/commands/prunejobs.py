@@ -34,16 +34,21 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument(
-            "--older-than", default="7d", metavar="AGE",
+            "--older-than",
+            default="7d",
+            metavar="AGE",
             help="Finished longer ago than this: 7d (default), 12h, 30m, 90s, 2w.",
         )
         parser.add_argument(
-            "--status", choices=("done", "failed", "all"), default="done",
+            "--status",
+            choices=("done", "failed", "all"),
+            default="done",
             help="Which finished jobs: done (default), failed, or all.",
         )
         parser.add_argument("--batch-size", type=int, default=10_000, help="Rows per batch.")
         parser.add_argument(
-            "--archive", action="store_true",
+            "--archive",
+            action="store_true",
             help="Move the jobs to pgjobs_job_archive instead of deleting them.",
         )
         parser.add_argument("--database", help="Database alias of the jobs table.")

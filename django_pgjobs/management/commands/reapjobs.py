@@ -21,7 +21,10 @@ class Command(BaseCommand):
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("--loop", action="store_true", help="Keep reaping until stopped.")
         parser.add_argument(
-            "--interval", type=float, default=60.0, metavar="SECONDS",
+            "--interval",
+            type=float,
+            default=60.0,
+            metavar="SECONDS",
             help="Seconds between reaps with --loop (default 60).",
         )
         parser.add_argument("--database", help="Database alias of the jobs table.")
@@ -53,8 +56,7 @@ class Command(BaseCommand):
             backoff.succeeded(manager.db_alias)
             requeued = sum(1 for row in reaped if row.status == "queued")
             self.stdout.write(
-                f"reaped {len(reaped)} jobs: {requeued} requeued, "
-                f"{len(reaped) - requeued} failed"
+                f"reaped {len(reaped)} jobs: {requeued} requeued, {len(reaped) - requeued} failed"
             )
             for row in reaped:
                 self.stdout.write(f"  job {row.id}: {row.status} after {row.attempts} attempts")

@@ -17,18 +17,25 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument(
-            "--queue", action="append", dest="queues", metavar="NAME",
+            "--queue",
+            action="append",
+            dest="queues",
+            metavar="NAME",
             help=f"Queue to take jobs from; repeat for several (default {conf.default_queue()!r}).",
         )
         parser.add_argument("--concurrency", type=int, help="Executor threads.")
         parser.add_argument("--batch-size", type=int, help="Most jobs one claim takes.")
         parser.add_argument("--lease", type=float, metavar="SECONDS", help="Lease per claim.")
         parser.add_argument(
-            "--poll-interval", type=float, metavar="SECONDS",
+            "--poll-interval",
+            type=float,
+            metavar="SECONDS",
             help="Fallback poll (and LISTEN probe) interval of an idle worker.",
         )
         parser.add_argument(
-            "--reap-interval", type=float, metavar="SECONDS",
+            "--reap-interval",
+            type=float,
+            metavar="SECONDS",
             help="Seconds between reaps of expired leases; 0 disables them.",
         )
         parser.add_argument("--mode", choices=conf.MODES, help="lease (default) or transaction.")
@@ -42,7 +49,9 @@ class Command(BaseCommand):
             help="Alias to LISTEN on (a direct connection when --database goes through PgBouncer).",
         )
         parser.add_argument(
-            "--shutdown-timeout", type=float, metavar="SECONDS",
+            "--shutdown-timeout",
+            type=float,
+            metavar="SECONDS",
             help="How long a stopping worker waits for running jobs.",
         )
 
