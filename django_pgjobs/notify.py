@@ -22,9 +22,11 @@ the table and the worker's poll will find it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing.util
 import os
+import select
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,6 +35,7 @@ import psycopg
 from django.db import DatabaseError, connections, transaction
 
 from django_pgjobs import conf, sql
+from django_pgjobs.connections import connection_params
 
 logger = logging.getLogger(__name__)
 
@@ -194,39 +197,6 @@ class Notifier:
 notifier = Notifier()
 
 
-# Options Django understands but libpq does not.
-_DJANGO_ONLY_OPTIONS = {"isolation_level", "server_side_binding", "assume_role", "pool"}
-
-
-def connection_params(alias: str, application_name: str | None = None) -> dict[str, Any]:
-    """libpq parameters for a direct psycopg connection to the server behind ``alias``.
-
-    ``application_name`` names the connection unless the alias's ``OPTIONS`` name it; left
-    out, it is named as Django's own connections are (``OPTIONS``, else ``PGAPPNAME``).
-    """
-    settings_dict = connections[alias].settings_dict
-    params: dict[str, Any] = {
-        "dbname": settings_dict["NAME"],
-        "user": settings_dict.get("USER") or None,
-        "password": settings_dict.get("PASSWORD") or None,
-        "host": settings_dict.get("HOST") or None,
-        "port": settings_dict.get("PORT") or None,
-        # Notice a half-open socket without sending a query (which would keep serverless
-        # compute awake): the kernel probes an idle connection and fails it if unanswered.
-        "keepalives": 1,
-        "keepalives_idle": 60,
-        "keepalives_interval": 10,
-        "keepalives_count": 3,
-        "application_name": application_name,
-    }
-    params.update(
-        (key, value)
-        for key, value in settings_dict.get("OPTIONS", {}).items()
-        if key not in _DJANGO_ONLY_OPTIONS
-    )
-    return {key: value for key, value in params.items() if value is not None}
-
-
 class Listener(threading.Thread):
     """Holds ``LISTEN <channel>`` on its own direct connection and wakes the worker.
 
@@ -236,7 +206,9 @@ class Listener(threading.Thread):
 
     The connection is probed with ``SELECT 1`` when the worker asks (``probe()``, on its
     periodic tick, so the probe never adds a wake-up of its own); a dead connection is
-    replaced, with backoff, until ``stop()``.
+    replaced, with backoff, until ``stop()``. The thread sleeps in ``select()`` on the
+    connection's socket and on a pipe of its own, so ``stop()`` and ``probe()`` take effect
+    at once and an idle listener wakes for nothing else.
     """
 
     def __init__(
@@ -251,15 +223,32 @@ class Listener(threading.Thread):
         self.on_wake = on_wake
         self._stopping = threading.Event()
         self._probe = threading.Event()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
 
     def stop(self) -> None:
         self._stopping.set()
+        self._poke()
 
     def probe(self) -> None:
-        """Check the connection at the next chance (within a second)."""
+        """Check the connection now (the listening thread wakes for it)."""
         self._probe.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        # A full pipe already holds a wake-up; a closed one means the thread has ended.
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_write, b"x")
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+
+    def _run(self) -> None:
         delay = 0.0
         params = connection_params(self.alias, "pgjobs-listener")
         channel = conf.channel()
@@ -292,10 +281,15 @@ class Listener(threading.Thread):
 
     def _listen(self, conn: psycopg.Connection[Any]) -> None:
         while not self._stopping.is_set():
-            # Wake at least once a second to notice stop() and probe(); waiting sends nothing.
-            for note in conn.notifies(timeout=1.0):
+            # Notifications that arrived with the last statement's reply come first; then
+            # sleep until the server sends something or stop()/probe() pokes the pipe.
+            for note in conn.notifies(timeout=0):
                 if note.payload in self.queues:
                     self.on_wake()
-            if self._probe.is_set():
+            ready, _, _ = select.select([conn.fileno(), self._wake_read], [], [])
+            if self._wake_read in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_read, 4096)
+            if self._probe.is_set() and not self._stopping.is_set():
                 self._probe.clear()
                 conn.execute(sql.PROBE)

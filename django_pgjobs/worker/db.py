@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import psycopg
 from django.db import DatabaseError, InterfaceError, connections
 
-from django_pgjobs.notify import connection_params
+from django_pgjobs import sql
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -20,10 +19,12 @@ UNAVAILABLE_STATES = ("08", "53", "57P01", "57P02", "57P03", "25006")
 
 
 def unavailable(exc: BaseException | None) -> bool:
-    """Whether ``exc``, or an error that caused it, means the database is unavailable.
+    """Whether ``exc``, or an error it was raised from, says a database is unavailable.
 
-    A lost connection carries no SQLSTATE (psycopg raises a bare OperationalError);
-    statement timeouts, serialization failures and bad SQL do, and are not outages.
+    Follows ``__cause__`` (Django's errors wrap psycopg's with ``raise ... from``), never
+    ``__context__``: an error raised while handling an outage is not the outage. A lost
+    connection carries no SQLSTATE (psycopg raises a bare OperationalError); statement
+    timeouts, serialization failures and bad SQL do, and are not outages.
     """
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
@@ -35,8 +36,33 @@ def unavailable(exc: BaseException | None) -> bool:
             if state is None:
                 return isinstance(exc, psycopg.OperationalError)
             return state.startswith(UNAVAILABLE_STATES)
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__
     return False
+
+
+def queue_database_away(exc: BaseException, alias: str) -> bool:
+    """Whether a job's error ``exc`` came from an outage of the queue's own database.
+
+    Only then is the attempt given back. The error must say "unavailable" (``unavailable()``)
+    and this thread's own connection to ``alias``, the one the job's queries used, must be
+    found unusable: broken, or answering from a server that cannot write (a standby after a
+    failover). A connection error from any other database or service the job talks to is the
+    job's own failure, and follows its retry policy.
+    """
+    if not unavailable(exc):
+        return False
+    conn = connections[alias].connection
+    if conn is None:
+        return False  # the job never used the queue's database in this thread
+    if conn.closed or conn.broken:
+        return True
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        return False  # inside the job's transaction: the claim in it would have failed first
+    try:
+        row = conn.execute(sql.READ_ONLY).fetchone()
+    except psycopg.Error:
+        return True
+    return bool(row and row[0])
 
 
 def reset(alias: str) -> None:
@@ -94,50 +120,3 @@ def tidy() -> None:
         if connection.settings_dict.get("CONN_MAX_AGE") == 0:
             connection.close_at = None
         connection.close_if_unusable_or_obsolete()
-
-
-class DirectConnections:
-    """A lease-mode worker's own psycopg connections for its hot statements, one per thread.
-
-    The claim and the fenced writes are a handful of statements run thousands of times: on
-    a plain autocommit connection they skip Django's cursor wrappers, and with ``prepare``
-    (``PGJOBS["PREPARE"]``) the server plans each once per connection instead of on every
-    call. Behind a transaction-mode pooler without prepared-statement support (PgBouncer
-    before 1.21, or ``max_prepared_statements = 0``) set ``PREPARE`` to False, or the
-    alias's ``DISABLE_SERVER_SIDE_CURSORS`` to True as Django asks of such an alias. A
-    broken connection is replaced on the next ``get()``; the worker closes one after an
-    outage, so a server that went read-only is not asked again on the same session.
-    """
-
-    def __init__(self, alias: str, *, prepare: bool) -> None:
-        self.params = connection_params(alias)
-        # The alias's own OPTIONS["prepare_threshold"] is kept (None there means "never");
-        # otherwise prepare at the first execution.
-        settings_dict = connections[alias].settings_dict
-        options = settings_dict.get("OPTIONS", {})
-        self.params.pop("prepare_threshold", None)
-        threshold = options.get("prepare_threshold", 0)
-        # DISABLE_SERVER_SIDE_CURSORS is what Django asks of an alias behind a transaction
-        # pooler: such an alias gets no prepared statements either.
-        if settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
-            prepare = False
-        self.prepare_threshold = threshold if prepare else None
-        self._local = threading.local()
-
-    def get(self) -> psycopg.Connection[Any]:
-        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
-        if conn is None or conn.closed or conn.broken:
-            if conn is not None:
-                conn.close()
-            conn = psycopg.connect(
-                **self.params, autocommit=True, prepare_threshold=self.prepare_threshold
-            )
-            self._local.conn = conn
-        return conn
-
-    def close(self) -> None:
-        """Close the calling thread's connection."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            self._local.conn = None
-            conn.close()
