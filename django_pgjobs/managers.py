@@ -1,107 +1,56 @@
 """The lifecycle verbs: enqueue, claim, complete, fail, extend_lease, release, reap, prune.
 
-Each verb runs one statement from ``sql.py`` on the manager's database alias. The writes
-after a claim are fenced on ``(id, status = 'running', attempts)``: they return ``False`` (or
+Each verb runs one statement from ``sql.py`` on the manager's database alias (the shared
+helpers in ``lifecycle.py`` shape its parameters). The writes after a claim are fenced on the
+claim (id, ``status = 'running'``, attempts and claim time): they return ``False`` (or
 ``None``) when the job is no longer ours, and log that at WARNING; they never raise for it.
-The ``*_many`` forms do the same for a batch in one statement; the worker uses them.
+The ``*_many`` forms do the same for a batch in one statement.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
-import os
-import socket
-import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings as django_settings
 from django.db import connections, models
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_pgjobs import conf, registry, sql, validation
+from django_pgjobs import conf, lifecycle, registry, sql, validation
 from django_pgjobs.exceptions import InvalidJobOptions, NotPostgreSQL
+from django_pgjobs.lifecycle import (
+    ERROR_LIMIT,
+    REAP_BATCH,
+    Claim,
+    ClaimedJob,
+    FailedAttempt,
+    Failure,
+    Reaped,
+    default_worker_id,
+)
 from django_pgjobs.notify import notify_on_commit
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
 
     from django_pgjobs.models import Job
-    from django_pgjobs.worker.db import DirectConnections
+
+__all__ = [
+    "ERROR_LIMIT",
+    "ClaimedJob",
+    "Failure",
+    "JobManager",
+    "Reaped",
+    "default_worker_id",
+]
 
 logger = logging.getLogger(__name__)
 
 PRUNABLE = ("done", "failed")
-REAP_BATCH = 1000
-# last_error keeps the end of very long errors (tracebacks end with what matters).
-ERROR_LIMIT = 8000
-
-
-@dataclass(frozen=True)
-class ClaimedJob:
-    """A job this worker now owns: pass ``id`` and ``attempts`` back to finish it."""
-
-    id: int
-    queue: str
-    task: str
-    payload: dict[str, Any]
-    attempts: int
-    max_attempts: int
-    # When this claim was made (the row's attempted_at): release() fences on it too, so a
-    # release retried after a lost acknowledgement cannot undo a later claim.
-    claimed_at: datetime | None = None
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One failed attempt, as django.tasks' ``TaskError`` holds it."""
-
-    exception_class_path: str
-    traceback: str
-
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> Failure:
-        kind = type(exc)
-        return cls(
-            f"{kind.__module__}.{kind.__qualname__}", "".join(traceback.format_exception(exc))
-        )
-
-    @classmethod
-    def of(cls, error: str | BaseException | Failure) -> Failure:
-        if isinstance(error, Failure):
-            return error
-        if isinstance(error, BaseException):
-            return cls.from_exception(error)
-        return cls("builtins.Exception", str(error))
-
-
-def default_worker_id() -> str:
-    """``host:pid``, recorded in ``worker_ids`` for each attempt this process claims."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-class Reaped(NamedTuple):
-    id: int
-    status: str
-    attempts: int
-
-
-def _clean_error(error: str) -> str:
-    # PostgreSQL text holds neither NUL nor lone surrogates (an undecodable file name in a
-    # message); keep the tail, where a traceback says what went wrong.
-    error = str(error).replace("\x00", "\\x00")
-    error = error.encode("utf-8", "backslashreplace").decode("utf-8")
-    return error if len(error) <= ERROR_LIMIT else "..." + error[-ERROR_LIMIT:]
-
-
-# A claim to fence on: a ClaimedJob, or (id, attempts[, claimed_at]).
-Claim = ClaimedJob | tuple[int, int] | tuple[int, int, datetime | None]
 
 
 def _timestamp(text: str) -> datetime:
@@ -112,68 +61,24 @@ def _timestamp(text: str) -> datetime:
     return value.astimezone(dt_timezone.utc)
 
 
-def _claim(job: Claim) -> tuple[int, int, datetime | None]:
+def _fence(job: ClaimedJob | int, attempts: int | None, claimed_at: datetime | None) -> Claim:
+    """The claim a single-job verb fences on: a ``ClaimedJob``, or an id with its attempts."""
     if isinstance(job, ClaimedJob):
-        return job.id, job.attempts, job.claimed_at
-    return int(job[0]), int(job[1]), job[2] if len(job) > 2 else None
-
-
-def _claims(jobs: Iterable[Claim]) -> dict[str, list[Any]]:
-    """Parallel arrays for the fenced statements, in id order (a stable lock order)."""
-    ordered = sorted((_claim(job) for job in jobs), key=lambda claim: claim[0])
-    return {
-        "ids": [claim[0] for claim in ordered],
-        "attempts": [claim[1] for claim in ordered],
-        "claimed_at": [claim[2] for claim in ordered],
-    }
+        if attempts is not None or claimed_at is not None:
+            raise InvalidJobOptions(
+                f"Job {job.id}: pass the ClaimedJob alone; it carries its attempts and claim time."
+            )
+        return job
+    if isinstance(job, bool) or not isinstance(job, int) or not isinstance(attempts, int):
+        raise InvalidJobOptions(
+            f"Invalid job {job!r} with attempts {attempts!r}: pass the ClaimedJob that claim() "
+            "returned, or a job id and its attempts."
+        )
+    return (job, attempts, claimed_at)
 
 
 class JobManager(models.Manager["Job"]):
     """``Job.objects``: the queue's verbs, as raw SQL on this manager's database alias."""
-
-    # synchronous_commit for the claim and the fenced writes; None keeps the session's.
-    _synchronous_commit: str | None = None
-    # Where a lease-mode claim and the fenced writes run: a worker's own psycopg connections
-    # (worker.db.Direct), or None for this alias's Django connection.
-    _direct: DirectConnections | None = None
-
-    def with_direct_connections(self, direct: DirectConnections) -> JobManager:
-        """A copy whose lease-mode claims and fenced writes run on ``direct.get()``.
-
-        The worker's hot path: a plain psycopg connection per thread (autocommit, optionally
-        with prepared statements) skips Django's cursor wrappers and the server's re-planning
-        of the same statements. Errors are then psycopg's own, not ``django.db``'s.
-        """
-        manager = copy.copy(self)
-        manager._direct = direct
-        return manager
-
-    def close_direct_connection(self) -> None:
-        """Close the calling thread's direct connection, if this manager has any."""
-        if self._direct is not None:
-            self._direct.close()
-
-    def _hot(self) -> tuple[sql.Connection, str | None]:
-        """The connection for a lease-mode claim or a fenced write, and its commit setting."""
-        if self._direct is not None:
-            return self._direct.get(), self._synchronous_commit
-        connection = self.connection()
-        return connection, self._commit_mode(connection)
-
-    def with_synchronous_commit(self, value: str | None) -> JobManager:
-        """A copy whose claims and fenced writes commit with ``synchronous_commit = value``.
-
-        The worker's ``PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]``: with ``"off"`` those commits do
-        not wait for the WAL flush. Applied per statement (``set_config(..., true)``), and
-        only outside ``atomic()``: a caller's own transaction keeps its durability.
-        """
-        manager = copy.copy(self)
-        manager._synchronous_commit = validation.synchronous_commit(value)
-        return manager
-
-    def _commit_mode(self, connection: BaseDatabaseWrapper) -> str | None:
-        mine = connection.get_autocommit() and not connection.in_atomic_block
-        return self._synchronous_commit if mine else None
 
     @property
     def db_alias(self) -> str:
@@ -350,39 +255,38 @@ class JobManager(models.Manager["Job"]):
                 "claim(mode='transaction') must run inside transaction.atomic(): the claim, "
                 "the job and its completion share that transaction."
             )
-        target, commit = (
-            self._hot() if mode == "lease" else (connection, self._commit_mode(connection))
+        return lifecycle.claim(
+            connection,
+            queue=queue,
+            limit=limit,
+            lease=lease_td,
+            worker_id=worker_id or default_worker_id(),
+            synchronous_commit=None,
         )
-        params = {
-            "queue": queue,
-            "limit": limit,
-            "lease": lease_td,
-            "worker_id": worker_id or default_worker_id(),
-            "synchronous_commit": commit,
-        }
-        rows = sql.run(target, sql.CLAIM, params)
-        return [
-            ClaimedJob(
-                id=job_id,
-                queue=job_queue,
-                task=task,
-                payload=json.loads(payload) if isinstance(payload, str) else payload,
-                attempts=attempts,
-                max_attempts=job_max_attempts,
-                claimed_at=claimed_at,
-            )
-            for job_id, job_queue, task, payload, attempts, job_max_attempts, claimed_at in rows
-        ]
 
     # -- fenced outcomes ---------------------------------------------------------------
+    #
+    # Each single-job verb takes the ClaimedJob that claim() returned: it carries the claim
+    # time, so the write can only ever touch that claim. The plain form (a job id and its
+    # attempts) is kept for callers that stored only those; it cannot tell this claim from a
+    # later one with the same attempt number (after a release gave the attempt back), so
+    # pass claimed_at= with it when you have it.
 
-    def complete(self, job_id: int, attempts: int, result: Any = None) -> bool:
+    def complete(
+        self,
+        job: ClaimedJob | int,
+        attempts: int | None = None,
+        result: Any = None,
+        *,
+        claimed_at: datetime | None = None,
+    ) -> bool:
         """Mark a claimed job done. ``False``: the job is no longer ours; nothing changed.
 
         ``result`` (JSON values only) is stored as the job's return value.
         """
-        results = {job_id: result} if result is not None else None
-        return job_id in self.complete_many([(job_id, attempts)], results)
+        claim = _fence(job, attempts, claimed_at)
+        job_id = lifecycle.fence_of(claim)[0]
+        return job_id in self.complete_many([claim], {job_id: result})
 
     def complete_many(
         self, jobs: Iterable[Claim], results: Mapping[int, Any] | None = None
@@ -392,135 +296,88 @@ class JobManager(models.Manager["Job"]):
         Each claim is a ``ClaimedJob`` or ``(id, attempts[, claimed_at])``. ``results`` maps
         a job id to its return value; every value is validated first.
         """
-        claims = _claims(jobs)
-        results = results or {}
-        items = []
-        for job_id, attempts, claimed_at in zip(
-            claims["ids"], claims["attempts"], claims["claimed_at"], strict=True
-        ):
-            text = validation.result(results.get(job_id))
-            items.append(
-                f'{{"id":{job_id},"attempts":{attempts}'
-                + ("" if claimed_at is None else f',"claimed_at":"{claimed_at.isoformat()}"')
-                + ("" if text is None else f',"result":{text}')
-                + "}"
-            )
-        rows = self._fenced("complete", sql.COMPLETE, claims, {"claims": f"[{','.join(items)}]"})
-        return {row[0] for row in rows}
+        return lifecycle.complete(self.connection(), jobs, results or {}, synchronous_commit=None)
 
     def fail(
         self,
-        job_id: int,
-        attempts: int,
-        error: str | BaseException | Failure,
+        job: ClaimedJob | int,
+        attempts: int | None = None,
+        error: str | BaseException | Failure | None = None,
         *,
         backoff: tuple[float, float] | None = None,
+        claimed_at: datetime | None = None,
     ) -> str | None:
         """Record a failed attempt: back to ``queued`` with backoff, or ``failed`` for good.
 
-        ``error`` is a message, an exception (its class and traceback are kept) or a
-        ``Failure``. ``backoff`` is ``(base, cap)`` in seconds (default the ``PGJOBS``
-        settings). Returns the new status, or ``None`` when the job is no longer ours.
+        ``fail(claimed_job, error=exc)``, or ``fail(job_id, attempts, error)``. ``error`` is a
+        message, an exception (its class and traceback are kept) or a ``Failure``.
+        ``backoff`` is ``(base, cap)`` in seconds (default the ``PGJOBS`` settings). Returns
+        the new status, or ``None`` when the job is no longer ours.
         """
+        claim = _fence(job, attempts, claimed_at)
+        job_id = lifecycle.fence_of(claim)[0]
         backoffs = {job_id: backoff} if backoff is not None else None
-        return self.fail_many([(job_id, attempts, error)], backoffs).get(job_id)
+        return self.fail_many([(claim, "" if error is None else error)], backoffs).get(job_id)
 
     def fail_many(
         self,
         jobs: Iterable[
             tuple[int, int, str | BaseException | Failure]
-            | tuple[ClaimedJob, str | BaseException | Failure]
+            | tuple[Claim, str | BaseException | Failure]
         ],
         backoff: Mapping[int, tuple[float, float]] | None = None,
     ) -> dict[int, str]:
         """Fail jobs in one statement; return id -> new status.
 
-        Each item is ``(id, attempts, error)`` or ``(claimed_job, error)``. ``backoff`` maps a
-        job id to its ``(base, cap)``; others use the settings.
+        Each item is ``(claim, error)`` (a ``ClaimedJob`` or ``(id, attempts[, claimed_at])``
+        and its error) or ``(id, attempts, error)``. ``backoff`` maps a job id to its ``(base,
+        cap)``; others use the settings.
         """
-        errors = {}
-        claims: list[Claim] = []
-        for item in jobs:
-            claim: Claim = item[0] if isinstance(item[0], ClaimedJob) else (item[0], item[1])
-            claims.append(claim)
-            errors[_claim(claim)[0]] = Failure.of(item[-1])
-        fenced = _claims(claims)
-        failures = [errors[job_id] for job_id in fenced["ids"]]
         default = conf.backoff()
-        delays = [(backoff or {}).get(job_id, default) for job_id in fenced["ids"]]
-        rows = self._fenced(
-            "fail",
-            sql.FAIL,
-            fenced,
-            fenced
-            | {
-                "errors": [_clean_error(f.traceback) for f in failures],
-                "error_classes": [f.exception_class_path for f in failures],
-                "bases": [float(base) for base, _cap in delays],
-                "caps": [float(cap) for _base, cap in delays],
-            },
-        )
-        return {row[0]: row[1] for row in rows}
+        attempts = []
+        for item in jobs:
+            claim: Claim = item[0] if len(item) == 2 else (item[0], item[1])
+            job_id = lifecycle.fence_of(claim)[0]
+            failure = Failure.of(item[-1])
+            delay = (backoff or {}).get(job_id, default)
+            attempts.append(FailedAttempt(claim, failure, delay))
+        return lifecycle.fail(self.connection(), attempts, synchronous_commit=None)
 
     def extend_lease(
-        self, job_id: int, attempts: int, lease: timedelta | float | None = None
+        self,
+        job: ClaimedJob | int,
+        attempts: int | None = None,
+        lease: timedelta | float | None = None,
+        *,
+        claimed_at: datetime | None = None,
     ) -> bool:
         """Push a running job's lease to ``now() + lease``. ``False``: stop, it is not ours."""
-        return job_id in self.extend_lease_many([(job_id, attempts)], lease)
+        claim = _fence(job, attempts, claimed_at)
+        return lifecycle.fence_of(claim)[0] in self.extend_lease_many([claim], lease)
 
     def extend_lease_many(
         self, jobs: Iterable[Claim], lease: timedelta | float | None = None
     ) -> set[int]:
         lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
-        claims = _claims(jobs)
-        rows = self._fenced("extend_lease", sql.EXTEND_LEASE, claims, claims | {"lease": lease_td})
-        return {row[0] for row in rows}
+        return lifecycle.extend_lease(self.connection(), jobs, lease_td, synchronous_commit=None)
 
-    def release(self, job_id: int, attempts: int, claimed_at: datetime | None = None) -> bool:
+    def release(
+        self,
+        job: ClaimedJob | int,
+        attempts: int | None = None,
+        claimed_at: datetime | None = None,
+    ) -> bool:
         """Give back a claimed job that never started: ``queued`` again, attempt not counted.
 
-        Pass the claim's ``claimed_at`` (``ClaimedJob.claimed_at``) to fence on that claim
-        alone: giving the attempt back makes ``(id, attempts)`` repeat for the next claim.
+        Pass the ``ClaimedJob``: giving the attempt back makes ``(id, attempts)`` repeat for
+        the next claim, and only the claim time tells the two claims apart.
         """
-        return job_id in self.release_many([(job_id, attempts, claimed_at)])
+        claim = _fence(job, attempts, claimed_at)
+        return lifecycle.fence_of(claim)[0] in self.release_many([claim])
 
     def release_many(self, jobs: Iterable[Claim]) -> set[int]:
         """Release claims (``ClaimedJob`` or ``(id, attempts[, claimed_at])``) at once."""
-        claims = _claims(jobs)
-        return {row[0] for row in self._fenced("release", sql.RELEASE, claims, claims)}
-
-    def _fenced(
-        self,
-        action: str,
-        statement: Any,
-        claims: dict[str, list[Any]],
-        params: dict[str, Any],
-    ) -> list[tuple[Any, ...]]:
-        """Run one fenced write of ``claims`` with ``params``; return its rows (id first).
-
-        Each claim the statement did not change is logged: the job is no longer ours.
-        """
-        if not claims["ids"]:
-            return []
-        connection, commit = self._hot()
-        rows = sql.run(connection, statement, params | {"synchronous_commit": commit})
-        changed = {row[0] for row in rows}
-        for job_id, attempt in zip(claims["ids"], claims["attempts"], strict=True):
-            if job_id not in changed:
-                logger.warning(
-                    "%s of job %s (attempt %s) changed nothing: the job is no longer ours",
-                    action,
-                    job_id,
-                    attempt,
-                    extra={"action": action, "job_id": job_id, "attempts": attempt},
-                )
-        return rows
-
-    def seconds_until_due(self, queues: Sequence[str]) -> float | None:
-        """Seconds until the earliest job of ``queues`` that is not yet due becomes due."""
-        rows = sql.run(self._hot()[0], sql.NEXT_DUE, {"queues": list(queues)})
-        seconds = rows[0][0] if rows else None
-        return None if seconds is None else max(0.0, float(seconds))
+        return lifecycle.release(self.connection(), jobs, synchronous_commit=None)
 
     # -- maintenance -------------------------------------------------------------------
 
@@ -544,24 +401,12 @@ class JobManager(models.Manager["Job"]):
         """Send jobs whose lease expired back to ``queued`` (``failed`` once out of attempts).
 
         Works in batches of ``batch_size`` until one comes back short; returns every row it
-        changed as ``(id, status, attempts)``.
+        changed as ``(id, status, attempts)``. Nothing is reaped in the first minute after
+        the server started (``lifecycle.REAP_SETTLE``): workers that held jobs through an
+        outage write what they hold first.
         """
         validation.positive_int("batch_size", batch_size)
-        connection = self._hot()[0]
-        reaped: list[Reaped] = []
-        while True:
-            rows = [Reaped(*row) for row in sql.run(connection, sql.REAP, {"limit": batch_size})]
-            reaped.extend(rows)
-            for row in rows:
-                logger.warning(
-                    "reaped job %s (attempt %s): lease expired, now %s",
-                    row.id,
-                    row.attempts,
-                    row.status,
-                    extra={"action": "reap", "job_id": row.id, "attempts": row.attempts},
-                )
-            if len(rows) < batch_size:
-                return reaped
+        return lifecycle.reap(self.connection(), batch_size)
 
     def prune(
         self,

@@ -1,16 +1,12 @@
 """Every statement django-pgjobs sends, each once, named for the verb it does.
 
-Parameters are ``%(name)s``; nothing here is ever assembled with string formatting. Every
-write after the claim is fenced on ``id``, ``status = 'running'`` and ``attempts``: a worker
-can only change a job it still owns. Times are always the database's ``now()``.
+Parameters are ``%(name)s``; nothing here is ever assembled with string formatting (the
+statements are joined from literal fragments only). Every write after the claim ends with
+one shared fence (``_FENCE``): a worker can only change a job it still owns. Times are always
+the database's ``now()``.
 
-The batch forms (``unnest`` over parallel arrays) serve one job as well as many, so the
-manager's single-job methods and the worker's batched writes share one statement.
-
-Attempts can go back down (a release gives the attempt back; an operator's retry resets
-them), so ``(id, attempts)`` alone could match a later claim of the same job. The worker
-therefore also passes each claim's ``attempted_at`` (``claimed_at``), which no other claim
-shares; a NULL there (a caller who only has id and attempts) fences on attempts alone.
+The batch forms (``unnest`` over parallel arrays, or one JSON array) serve one job as well as
+many, so the manager's single-job methods and the worker's batched writes share one statement.
 """
 
 from __future__ import annotations
@@ -115,8 +111,22 @@ FROM next
 WHERE j.id = next.id"""
     + _COMMIT
     + """
-RETURNING j.id, j.queue, j.task, j.payload, j.attempts, j.max_attempts, j.attempted_at
+RETURNING j.id, j.queue, j.task, j.payload::text, j.attempts, j.max_attempts, j.attempted_at,
+          j.outage_releases
 """
+)
+
+# The fence, the heart of the design: a write after the claim changes a row only while it is
+# still this claim's, `running` with the attempt number and the claim time (attempted_at)
+# the claim returned. Attempts alone could match a later claim (a release gives the attempt
+# back, an operator's retry resets them); no two claims share a claim time. A NULL claim time
+# (a caller who kept only the id and attempts) fences on the attempts alone. Every fenced
+# statement joins its claims as `mine` (id, attempts, claimed_at, ...) and ends with this.
+_FENCE: LiteralString = (
+    """
+WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
+    + _COMMIT
 )
 
 # The worker's most frequent write. The claims arrive as one JSON array of objects (id,
@@ -127,38 +137,36 @@ COMPLETE: LiteralString = (
 UPDATE pgjobs_job j
 SET status = 'done', locked_until = NULL, finished_at = now(), result = mine.result
 FROM jsonb_to_recordset(%(claims)s::jsonb)
-     AS mine(id bigint, attempts int, claimed_at timestamptz, result jsonb)
-WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
-    + _COMMIT
+     AS mine(id bigint, attempts int, claimed_at timestamptz, result jsonb)"""
+    + _FENCE
     + """
 RETURNING j.id
 """
 )
 
-# Back to queued after base * 2^attempts seconds (the seed's 20 s, 40 s, 80 s, 160 s with
-# base 10 s), at most `cap` seconds (an hour by default), or failed for good once the
-# attempts are used up. The exponent is capped so a huge max_attempts cannot overflow the
-# interval (the checks keep base * 2^30 within range). Every failed attempt is kept in
-# `errors` (class path and traceback: django.tasks' TaskError), the latest in last_error.
+# Back to queued after base * 2^attempts seconds (20 s, 40 s, 80 s, 160 s with base 10 s),
+# at most `cap` seconds (an hour by default), or failed for good once the attempts are used
+# up, or at once when the failure is `final` (a payload that can never run). The exponent is
+# capped so a huge max_attempts cannot overflow the interval (the checks keep base * 2^30
+# within range). Every failed attempt is kept in `errors` (class path and traceback:
+# django.tasks' TaskError), the latest in last_error.
 FAIL: LiteralString = (
     """
 UPDATE pgjobs_job j
-SET status       = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
+SET status       = CASE WHEN j.attempts >= j.max_attempts OR mine.final
+                        THEN 'failed' ELSE 'queued' END,
     run_at       = now() + least(mine.cap * interval '1 second',
                                  mine.base * interval '1 second' * 2 ^ least(j.attempts, 30)),
     locked_until = NULL,
     last_error   = mine.error,
     errors       = j.errors || jsonb_build_array(jsonb_build_object(
                      'exception_class_path', mine.error_class, 'traceback', mine.error)),
-    finished_at  = CASE WHEN j.attempts >= j.max_attempts THEN now() END
+    finished_at  = CASE WHEN j.attempts >= j.max_attempts OR mine.final THEN now() END
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
             %(errors)s::text[], %(error_classes)s::text[], %(bases)s::float8[],
-            %(caps)s::float8[])
-     AS mine(id, attempts, claimed_at, error, error_class, base, cap)
-WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
-    + _COMMIT
+            %(caps)s::float8[], %(finals)s::bool[])
+     AS mine(id, attempts, claimed_at, error, error_class, base, cap, final)"""
+    + _FENCE
     + """
 RETURNING j.id, j.status, j.run_at
 """
@@ -170,30 +178,45 @@ EXTEND_LEASE: LiteralString = (
 UPDATE pgjobs_job j
 SET locked_until = now() + %(lease)s::interval
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
-     AS mine(id, attempts, claimed_at)
-WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
-    + _COMMIT
+     AS mine(id, attempts, claimed_at)"""
+    + _FENCE
     + """
 RETURNING j.id
 """
 )
 
-# Give back a job that was claimed but never started: the claim's attempt is not counted.
+# A worker that must exit at once (a second Ctrl-C) ends the leases of the jobs it holds, so
+# the next reap requeues them instead of waiting out the lease. Each keeps its attempt: the
+# job may have run part way, as after a crash.
+EXPIRE_LEASE: LiteralString = (
+    """
+UPDATE pgjobs_job j
+SET locked_until = now()
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
+     AS mine(id, attempts, claimed_at)"""
+    + _FENCE
+    + """
+RETURNING j.id
+"""
+)
+
+# Give back a job that was claimed but never started, or whose run met an outage of the
+# queue's own database: the claim's attempt is not counted. An outage's release is counted
+# in outage_releases instead, which the worker caps so that no misjudged error can loop.
 RELEASE: LiteralString = (
     """
 UPDATE pgjobs_job j
-SET status       = 'queued',
-    attempts     = j.attempts - 1,
-    locked_until = NULL,
-    started_at   = CASE WHEN j.attempts > 1 THEN j.started_at END,
-    attempted_at = NULL,
-    worker_ids   = j.worker_ids - (jsonb_array_length(j.worker_ids) - 1)
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
-     AS mine(id, attempts, claimed_at)
-WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
-  AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
-    + _COMMIT
+SET status          = 'queued',
+    attempts        = j.attempts - 1,
+    locked_until    = NULL,
+    started_at      = CASE WHEN j.attempts > 1 THEN j.started_at END,
+    attempted_at    = NULL,
+    worker_ids      = j.worker_ids - (jsonb_array_length(j.worker_ids) - 1),
+    outage_releases = j.outage_releases + mine.outage::int
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
+            %(outages)s::bool[])
+     AS mine(id, attempts, claimed_at, outage)"""
+    + _FENCE
     + """
 RETURNING j.id
 """
@@ -203,11 +226,15 @@ RETURNING j.id
 # every worker must not loop forever). The UPDATE re-checks status and lease itself, so a
 # job completed since the CTE read it is never sent back; rows are taken in id order with
 # SKIP LOCKED, so concurrent reapers neither deadlock nor requeue a job twice; the caller
-# repeats the batch until it comes back short.
+# repeats the batch until it comes back short. Nothing is reaped in the first `settle` after
+# the server started: when it comes back from an outage longer than the lease, every worker
+# that held jobs through it must first write what it holds (its writes retry with a backoff
+# shorter than the settle), or jobs that ran to the end would be failed as expired.
 REAP: LiteralString = """
 WITH expired AS (
   SELECT id FROM pgjobs_job
   WHERE status = 'running' AND locked_until < now()
+    AND pg_postmaster_start_time() < now() - %(settle)s::interval
   ORDER BY id
   LIMIT %(limit)s
   FOR UPDATE SKIP LOCKED
@@ -256,12 +283,12 @@ WITH doomed AS (
   WHERE j.id = doomed.id
   RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
             j.max_attempts, j.locked_until, j.last_error, j.created_at, j.started_at,
-            j.finished_at, j.attempted_at, j.result, j.errors, j.worker_ids
+            j.finished_at, j.attempted_at, j.result, j.errors, j.worker_ids, j.outage_releases
 )
 INSERT INTO pgjobs_job_archive (id, queue, task, payload, status, priority, run_at, attempts,
                                 max_attempts, locked_until, last_error, created_at,
                                 started_at, finished_at, attempted_at, result, errors,
-                                worker_ids)
+                                worker_ids, outage_releases)
 SELECT * FROM moved
 """
 
@@ -394,6 +421,12 @@ WHERE queue = ANY(%(queues)s::text[]) AND status = 'queued' AND run_at > now()
 # The planner's row estimate (refreshed by ANALYZE/autovacuum): counting millions of done
 # rows for an admin page would read the whole table.
 ESTIMATED_ROWS: LiteralString = "SELECT reltuples FROM pg_class WHERE oid = 'pgjobs_job'::regclass"
+
+# Whether this server cannot take writes now: a standby (after a failover the old primary's
+# address may lead to one), or a session forced read-only.
+READ_ONLY: LiteralString = (
+    "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool"
+)
 
 # The LISTEN connection's health probe: the cheapest statement that needs a live server.
 PROBE: LiteralString = "SELECT 1"

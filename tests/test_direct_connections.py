@@ -1,4 +1,4 @@
-"""A lease-mode worker's own psycopg connections (``worker.db.DirectConnections``): the claim
+"""A lease-mode worker's own psycopg connections (``connections.DirectConnections``): the claim
 and the fenced writes run there, prepared when ``PGJOBS["PREPARE"]``, one connection per
 thread, replaced when broken, and a pooler that loses prepared statements gets a clear error."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -14,9 +15,10 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from psycopg import sql as pgsql
 
-from django_pgjobs.managers import JobManager
+from django_pgjobs.connections import DirectConnections
+from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.models import Job
-from django_pgjobs.worker.db import DirectConnections
+from django_pgjobs.worker.store import Store
 from testproject.testjobs import noop
 from tests.helpers import job_row, scalar
 
@@ -35,17 +37,24 @@ def prepared(conns: DirectConnections) -> list[str]:
     return [row[0] for row in rows]
 
 
-def manager(conns: DirectConnections) -> JobManager:
-    return Job.objects.with_direct_connections(conns)
+def store(conns: DirectConnections) -> Store:
+    """A lease-mode worker's store whose direct connections are ``conns``."""
+    hot = Store("default", direct=True, synchronous_commit=None, prepare=False)
+    hot.direct = conns
+    return hot
+
+
+def claim(conns: DirectConnections) -> list[ClaimedJob]:
+    return store(conns).claim("default", 5, timedelta(seconds=60), "test:1")
 
 
 def test_claim_and_complete_run_prepared_on_the_direct_connection(
     direct: DirectConnections,
 ) -> None:
     created = noop.enqueue(n=1)
-    jobs = manager(direct).claim("default", limit=5)
+    jobs = claim(direct)
     assert [job.id for job in jobs] == [created.id]
-    assert manager(direct).complete_many(jobs) == {created.id}
+    assert store(direct).complete(jobs, {}) == {created.id}
     assert job_row(created.id)["status"] == "done"
     statements = prepared(direct)
     assert any("FOR UPDATE SKIP LOCKED" in text for text in statements), statements
@@ -59,9 +68,9 @@ def test_without_prepare_nothing_is_prepared() -> None:
     conns = DirectConnections("default", prepare=False)
     try:
         noop.enqueue(n=1)
-        jobs = manager(conns).claim("default", limit=5)
-        manager(conns).complete_many(jobs)
-        manager(conns).claim("default", limit=5)
+        jobs = claim(conns)
+        store(conns).complete(jobs, {})
+        claim(conns)
         assert len(jobs) == 1
         assert prepared(conns) == []
     finally:
@@ -89,9 +98,9 @@ def test_a_broken_connection_is_replaced_on_the_next_get(direct: DirectConnectio
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [first.info.backend_pid])
     with pytest.raises(psycopg.OperationalError):
-        manager(direct).claim("default", limit=1)
+        claim(direct)
     assert first.broken or first.closed
-    jobs = manager(direct).claim("default", limit=1)
+    jobs = claim(direct)
     assert len(jobs) == 1
     assert direct.get() is not first
 
@@ -100,7 +109,7 @@ def test_a_lost_prepared_statement_names_the_setting(direct: DirectConnections) 
     # What a transaction-mode pooler without prepared-statement support does: the next
     # execution lands on a session that never saw the PREPARE.
     noop.enqueue(n=1)
-    assert len(manager(direct).claim("default", limit=1)) == 1
+    assert len(claim(direct)) == 1
     # Behind psycopg's back (it notices a DEALLOCATE ALL, not one by name).
     conn = direct.get()
     names = [row[0] for row in conn.execute("SELECT name FROM pg_prepared_statements")]
@@ -109,7 +118,7 @@ def test_a_lost_prepared_statement_names_the_setting(direct: DirectConnections) 
         conn.execute(pgsql.SQL("DEALLOCATE {}").format(pgsql.Identifier(name)), prepare=False)
     noop.enqueue(n=2)
     with pytest.raises(ImproperlyConfigured, match=r"PGJOBS\['PREPARE'\] = False"):
-        manager(direct).claim("default", limit=1)
+        claim(direct)
     assert Job.objects.filter(status="queued").count() == 1
 
 
@@ -138,7 +147,7 @@ def test_an_alias_that_disables_server_side_cursors_prepares_nothing(settings: A
     conns = DirectConnections("default", prepare=True)
     try:
         noop.enqueue(n=1)
-        assert len(manager(conns).claim("default", limit=1)) == 1
+        assert len(claim(conns)) == 1
         assert prepared(conns) == []
     finally:
         conns.close()
@@ -148,7 +157,7 @@ def test_an_alias_that_disables_server_side_cursors_prepares_nothing(settings: A
 def test_another_statement_under_our_name_names_the_setting(direct: DirectConnections) -> None:
     # A pooler's session where another client prepared a statement of the same name.
     noop.enqueue(n=1)
-    assert len(manager(direct).claim("default", limit=1)) == 1
+    assert len(claim(direct)) == 1
     conn = direct.get()
     for (name,) in conn.execute("SELECT name FROM pg_prepared_statements").fetchall():
         conn.execute(pgsql.SQL("DEALLOCATE {}").format(pgsql.Identifier(name)), prepare=False)
@@ -156,4 +165,4 @@ def test_another_statement_under_our_name_names_the_setting(direct: DirectConnec
             pgsql.SQL("PREPARE {} AS SELECT 1").format(pgsql.Identifier(name)), prepare=False
         )
     with pytest.raises(ImproperlyConfigured, match=r"PGJOBS\['PREPARE'\] = False"):
-        manager(direct).claim("default", limit=1)
+        claim(direct)

@@ -18,8 +18,9 @@ from django.test import override_settings
 
 from django_pgjobs import sql
 from django_pgjobs.exceptions import InvalidJobOptions
-from django_pgjobs.managers import JobManager
+from django_pgjobs.lifecycle import FailedAttempt, Failure
 from django_pgjobs.models import Job
+from django_pgjobs.worker.store import Store
 from django_pgjobs.worker.worker import Worker
 from testproject.testjobs import noop
 from tests.helpers import job_row, make_job, raw_connect, scalar
@@ -125,16 +126,21 @@ def test_none_keeps_the_sessions_own_value() -> None:
     assert job_row(completed)["status"] == "done"
 
 
-# -- through the manager --------------------------------------------------------------
+# -- through the worker's store and the manager ----------------------------------------
 
 
-def test_outside_atomic_the_manager_commits_with_off_and_the_session_keeps_its_value() -> None:
+def off_store() -> Store:
+    """A worker's store on Django's connections, committing its own writes with "off"."""
+    return Store("default", direct=False, synchronous_commit="off", prepare=False)
+
+
+def test_outside_atomic_the_store_commits_with_off_and_the_session_keeps_its_value() -> None:
     default = server_default()
     job_id = noop.enqueue(n=1).id
-    manager = Job.objects.with_synchronous_commit("off")
+    store = off_store()
     with commit_params() as seen:
-        (claimed,) = manager.claim(queue="default", limit=1)
-        assert manager.complete(claimed.id, claimed.attempts) is True
+        (claimed,) = store.claim("default", 1, timedelta(seconds=60), "test:1")
+        assert store.complete([claimed], {}) == {claimed.id}
     assert seen == ["off", "off"]
     assert claimed.id == job_id
     assert job_row(job_id)["status"] == "done"
@@ -143,12 +149,13 @@ def test_outside_atomic_the_manager_commits_with_off_and_the_session_keeps_its_v
 
 
 def test_every_fenced_write_passes_it_outside_atomic() -> None:
-    manager = Job.objects.with_synchronous_commit("off")
+    store = off_store()
     extended, failed, released = running_job(), running_job(), running_job()
     with commit_params() as seen:
-        assert manager.extend_lease(extended, 1) is True
-        assert manager.fail(failed, 1, "boom", backoff=(0, 0)) == "queued"
-        assert manager.release(released, 1) is True
+        assert store.extend_lease([(extended, 1)], timedelta(seconds=60)) == {extended}
+        attempt = FailedAttempt((failed, 1), Failure.of("boom"), (0, 0))
+        assert store.fail([attempt]) == {failed: "queued"}
+        assert store.release([(released, 1)]) == {released}
     assert seen == ["off", "off", "off"]
     assert show() == server_default()
     assert job_row(released)["status"] == "queued"
@@ -157,10 +164,10 @@ def test_every_fenced_write_passes_it_outside_atomic() -> None:
 def test_inside_atomic_the_callers_transaction_keeps_its_durability() -> None:
     default = server_default()
     job_id = noop.enqueue(n=1).id
-    manager = Job.objects.with_synchronous_commit("off")
+    store = off_store()
     with commit_params() as seen, transaction.atomic():
-        (claimed,) = manager.claim(queue="default", limit=1, mode="transaction")
-        assert manager.complete(claimed.id, claimed.attempts) is True
+        (claimed,) = store.claim("default", 1, timedelta(seconds=60), "test:1")
+        assert store.complete([claimed], {}) == {claimed.id}
         # Same transaction, after both statements: still the server's value.
         assert show() == default
         assert show() != "off"
@@ -169,44 +176,25 @@ def test_inside_atomic_the_callers_transaction_keeps_its_durability() -> None:
     assert show() == default
 
 
-def test_the_default_manager_passes_none() -> None:
+def test_the_manager_passes_none() -> None:
     job_id = noop.enqueue(n=1).id
     with commit_params() as seen:
         (claimed,) = Job.objects.claim(queue="default", limit=1)
-        Job.objects.complete(claimed.id, claimed.attempts)
+        Job.objects.complete(claimed)
     assert seen == [None, None]
     assert job_row(job_id)["status"] == "done"
-
-
-def test_a_bad_value_is_refused_and_the_original_manager_is_unchanged() -> None:
-    with pytest.raises(InvalidJobOptions, match="'of'"):
-        Job.objects.with_synchronous_commit("of")
-    with pytest.raises(InvalidJobOptions, match="False"):
-        Job.objects.with_synchronous_commit(False)  # type: ignore[arg-type]
-    off = Job.objects.with_synchronous_commit("off")
-    assert isinstance(off, JobManager)
-    assert off is not Job.objects
-    # A copy: the model's manager still passes None; the copy, and its db_manager(), "off".
-    with commit_params() as seen:
-        Job.objects.claim(queue="default")
-        off.claim(queue="default")
-        off.db_manager("default").claim(queue="default")
-        off.with_synchronous_commit(None).claim(queue="default")
-    assert seen == [None, "off", "off", None]
 
 
 # -- the worker -----------------------------------------------------------------------
 
 
 def worker_commit(**kwargs: Any) -> Any:
-    """The synchronous_commit the worker's manager gives its claims and fenced writes.
+    """The synchronous_commit the worker's store gives its claims and fenced writes.
 
-    Read from the manager the worker built, without running a statement: in lease mode its
-    statements may go on connections of the worker's own rather than Django's.
+    Read from the store the worker built, without running a statement: in lease mode its
+    statements go on connections of the worker's own rather than Django's.
     """
-    worker = Worker(**kwargs)
-    assert isinstance(worker.manager, JobManager)
-    return worker.manager._synchronous_commit
+    return Worker(**kwargs).store.synchronous_commit
 
 
 def test_a_lease_mode_worker_uses_the_setting_off_by_default() -> None:
@@ -240,6 +228,9 @@ def test_off_really_skips_the_flush_at_commit() -> None:
         pytest.skip("this server runs with fsync off: no commit waits for a WAL sync")
 
     def syncs() -> int:
+        # PostgreSQL 18 moved the count from pg_stat_wal to pg_stat_io's WAL rows.
+        if int(scalar("SHOW server_version_num")) >= 180000:
+            return int(scalar("SELECT sum(fsyncs) FROM pg_stat_io WHERE object = 'wal'"))
         return int(scalar("SELECT wal_sync FROM pg_stat_wal"))
 
     def completions(setting: str | None, count: int = 40) -> int:

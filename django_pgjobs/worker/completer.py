@@ -18,31 +18,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
+from django_pgjobs import conf
 from django_pgjobs.context import JobContext
-from django_pgjobs.managers import ClaimedJob, Failure, JobManager
+from django_pgjobs.lifecycle import ClaimedJob, FailedAttempt, Failure
 from django_pgjobs.worker.db import Backoff, unavailable
-from django_pgjobs.worker.outcomes import WorkerStats, finished
+from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, Outcome, WorkerStats, finished
+from django_pgjobs.worker.store import Store
 
 logger = logging.getLogger("django_pgjobs.worker")
-
-COMPLETE, FAIL, RELEASE = "complete", "fail", "release"
-
-
-@dataclass
-class Outcome:
-    """What to write for one job: complete (with its result), fail, or release."""
-
-    job: ClaimedJob
-    action: str
-    duration: float = 0.0
-    failure: Failure | None = None
-    result: Any = None
-    backoff: tuple[float, float] | None = None
 
 
 @dataclass
@@ -55,14 +42,14 @@ class _Running:
 class Completer(threading.Thread):
     def __init__(
         self,
-        manager: JobManager,
+        store: Store,
         lease: timedelta,
         stats: WorkerStats,
         worker_id: str,
         on_retry: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="pgjobs-completer", daemon=True)
-        self.manager = manager
+        self.store = store
         # Called once a failed job is queued again: its retry sends no NOTIFY.
         self.on_retry = on_retry
         self.lease = lease
@@ -72,10 +59,26 @@ class Completer(threading.Thread):
         self._cond = threading.Condition()
         self._pending: list[Outcome] = []
         self._running: dict[int, _Running] = {}
+        # Every job this worker claimed and has not yet written an outcome for.
+        self._held: dict[int, ClaimedJob] = {}
         self._closing = False
         self._give_up = threading.Event()
 
-    # -- called by executors -------------------------------------------------------------
+    # -- called by the producer and the executors -----------------------------------------
+
+    def hold(self, jobs: list[ClaimedJob]) -> None:
+        """Claimed jobs are ours until their outcome is written (or the lease is lost)."""
+        with self._cond:
+            self._held.update((job.id, job) for job in jobs)
+
+    def held(self) -> list[ClaimedJob]:
+        with self._cond:
+            return list(self._held.values())
+
+    def backlog(self) -> int:
+        """Outcomes waiting to be written (more than zero while the database is away)."""
+        with self._cond:
+            return len(self._pending)
 
     def track(self, job: ClaimedJob, ctx: JobContext) -> None:
         with self._cond:
@@ -132,7 +135,7 @@ class Completer(threading.Thread):
                         )
                         self._write_each(batch)
                     self._heartbeat()
-                    backoff.succeeded(self.manager.db_alias)
+                    backoff.succeeded(self.store.alias)
                 except ImproperlyConfigured:
                     logger.exception(
                         "completer stopped; %s outcomes not recorded (their leases will expire)",
@@ -145,18 +148,18 @@ class Completer(threading.Thread):
                         logger.exception("completer error", extra={"action": "complete"})
                     # A fresh direct connection at the next try (a read-only or restarted
                     # server leaves the old one open but useless).
-                    self.manager.close_direct_connection()
+                    self.store.close()
                     with self._cond:
                         self._pending[:0] = batch
                     if self._give_up.is_set():
                         self._abandon()
                         return
-                    backoff.failed(self.manager.db_alias, exc, self._give_up)
+                    backoff.failed(self.store.alias, exc, self._give_up)
                     continue
                 if closing and not self._pending:
                     return
         finally:
-            self.manager.close_direct_connection()
+            self.store.close()
             connections.close_all()
 
     def _write_each(self, batch: list[Outcome]) -> None:
@@ -192,28 +195,41 @@ class Completer(threading.Thread):
             group = [o for o in batch if o.action == action]
             if not group:
                 continue
-            if action in (COMPLETE, FAIL):
-                statuses = self._finish(action, group)
-                for o in group:
-                    finished(o, statuses.get(o.job.id), stats=self.stats, worker_id=self.worker_id)
-                if self.on_retry is not None and "queued" in statuses.values():
-                    self.on_retry()
+            if action == COMPLETE:
+                done = self.store.complete(
+                    (o.job for o in group), {o.job.id: o.result for o in group}
+                )
+                self._finished(group, dict.fromkeys(done, "done"))
+            elif action == FAIL:
+                default = conf.backoff()
+                statuses = self.store.fail(
+                    [
+                        FailedAttempt(
+                            o.job, o.failure or Failure.of(""), o.backoff or default, o.final
+                        )
+                        for o in group
+                    ]
+                )
+                self._finished(group, statuses)
             else:
-                released = self.manager.release_many(o.job for o in group)
-                self.stats.add("released", len(released))
+                for outage in (False, True):
+                    jobs = [o.job for o in group if o.outage == outage]
+                    if jobs:
+                        self.stats.add("released", len(self.store.release(jobs, outage=outage)))
+                self._forget(group)
             batch[:] = [o for o in batch if o.action != action]
 
-    def _finish(self, action: str, group: list[Outcome]) -> dict[int, str]:
-        if action == COMPLETE:
-            done = self.manager.complete_many(
-                (o.job for o in group),
-                {o.job.id: o.result for o in group if o.result is not None},
-            )
-            return dict.fromkeys(done, "done")
-        return self.manager.fail_many(
-            ((o.job, o.failure or "") for o in group),
-            {o.job.id: o.backoff for o in group if o.backoff is not None},
-        )
+    def _finished(self, group: list[Outcome], statuses: dict[int, str]) -> None:
+        self._forget(group)
+        for o in group:
+            finished(o, statuses.get(o.job.id), stats=self.stats, worker_id=self.worker_id)
+        if self.on_retry is not None and "queued" in statuses.values():
+            self.on_retry()
+
+    def _forget(self, group: list[Outcome]) -> None:
+        with self._cond:
+            for o in group:
+                self._held.pop(o.job.id, None)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -221,7 +237,7 @@ class Completer(threading.Thread):
             due = [r for r in self._running.values() if now - r.extended_at >= self.beat]
         if not due:
             return
-        kept = self.manager.extend_lease_many((r.job for r in due), self.lease)
+        kept = self.store.extend_lease([r.job for r in due], self.lease)
         for running in due:
             if running.job.id in kept:
                 running.extended_at = now
@@ -229,6 +245,7 @@ class Completer(threading.Thread):
                 running.ctx.mark_lost()
                 with self._cond:
                     self._running.pop(running.job.id, None)
+                    self._held.pop(running.job.id, None)
 
     def _abandon(self) -> None:
         with self._cond:

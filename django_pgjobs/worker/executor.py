@@ -1,12 +1,9 @@
-"""Executors: threads that each run one job at a time.
+"""Executors: threads that each run one job at a time, and ``call()``, which runs one job.
 
-In lease mode an executor takes a claimed job from the hand-off queue, calls the registered
-function with the payload as keyword arguments, and passes the outcome to the completer. (A
-claim that returns after shutdown began never reaches an executor: the producer releases it.)
-
-In transaction mode it takes a ticket instead, and claims, runs and completes one job in a
-single transaction on its own connection; the job's own writes share that transaction (a
-savepoint, rolled back if the job fails), and a crash rolls the claim back.
+An executor takes the next item from the hand-off queue and gives it to the worker's mode
+(``worker/lease.py`` or ``worker/transaction.py``), which knows what the item is and how its
+outcome is written. What a job is, whatever the mode, is ``call()``: the registered function
+called with the payload as keyword arguments, and the outcome that follows.
 """
 
 from __future__ import annotations
@@ -16,39 +13,46 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timedelta
+from typing import Any, Protocol
 
-from django.db import DatabaseError, connections, transaction
+from django.db import connections
 
 from django_pgjobs import registry, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
-from django_pgjobs.managers import ClaimedJob, Failure, JobManager
-from django_pgjobs.worker.completer import COMPLETE, FAIL, RELEASE, Completer, Outcome
-from django_pgjobs.worker.db import reset, reset_all, tidy, unavailable
-from django_pgjobs.worker.outcomes import WorkerStats, finished
+from django_pgjobs.exceptions import InvalidPayload
+from django_pgjobs.lifecycle import ClaimedJob, Failure
+from django_pgjobs.worker.db import queue_database_away
+from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, Outcome
 
 logger = logging.getLogger("django_pgjobs.worker")
 
-
-@dataclass
-class Ticket:
-    """Transaction mode: "claim one job of ``queue`` and run it"; ``claimed`` says how it went."""
-
-    queue: str
-    claimed: threading.Event = field(default_factory=threading.Event)
-    found: bool = False
-    unavailable: BaseException | None = None
+# A job released this many times because the queue's database was away is failed instead,
+# with the attempt counted: however an error is misjudged as an outage, no job loops.
+MAX_OUTAGE_RELEASES = 10
 
 
-def call(job: ClaimedJob, ctx: JobContext) -> Outcome:
+class Mode(Protocol):
+    """How a worker claims and finishes jobs: lease mode or transaction mode."""
+
+    def execute(self, item: Any) -> None:
+        """Run one hand-off item to its end (outcome recorded or handed on)."""
+
+
+def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     """Run the registered function with the payload as keyword arguments.
 
     A task whose result is kept must return a JSON value: anything else fails the attempt
     with ``InvalidResult`` rather than crash the worker later, when it is written. Whatever
-    the job raises (``SystemExit`` included) is its failure, except that a job which failed
-    because the database went away is released, not failed: the outage is not its fault.
+    the job raises (``SystemExit`` included) is its failure, with one exception: a job that
+    failed because the queue's own database (``alias``) went away is released, its attempt
+    not counted, up to ``MAX_OUTAGE_RELEASES`` times. A payload that is not a JSON object
+    fails the job for good, at once.
     """
+    if job.invalid_payload is not None:
+        failure = Failure.from_exception(
+            InvalidPayload(f"Job {job.id} ({job.task}, queue {job.queue}): {job.invalid_payload}.")
+        )
+        return Outcome(job, FAIL, failure=failure, final=True)
     token = set_current_job(ctx)
     backoff = None
     started = time.perf_counter()
@@ -63,15 +67,24 @@ def call(job: ClaimedJob, ctx: JobContext) -> Outcome:
     except BaseException as exc:
         duration = time.perf_counter() - started
         failure = Failure.from_exception(exc)
-        if unavailable(exc):
+        if queue_database_away(exc, alias):
+            if job.outage_releases < MAX_OUTAGE_RELEASES:
+                logger.warning(
+                    "job %s %s attempt %s met an outage of the queue's database; releasing it "
+                    "(attempt not counted)",
+                    job.id,
+                    job.task,
+                    job.attempts,
+                    extra={"action": "release", "job_id": job.id, "attempts": job.attempts},
+                )
+                return Outcome(job, RELEASE, duration, failure, outage=True)
             logger.warning(
-                "job %s %s attempt %s met a database outage; releasing it (attempt not counted)",
+                "job %s %s was released %s times after database outages; counting this attempt",
                 job.id,
                 job.task,
-                job.attempts,
-                extra={"action": "release", "job_id": job.id, "attempts": job.attempts},
+                job.outage_releases,
+                extra={"action": "fail", "job_id": job.id, "attempts": job.attempts},
             )
-            return Outcome(job, RELEASE, duration, failure)
         return Outcome(job, FAIL, duration, failure, backoff=backoff)
     finally:
         reset_current_job(token)
@@ -93,37 +106,20 @@ class Executor(threading.Thread):
     def __init__(
         self,
         index: int,
-        handoff: queue.SimpleQueue[ClaimedJob | Ticket | None],
-        *,
-        manager: JobManager,
-        completer: Completer,
-        lease: timedelta,
-        stopping: threading.Event,
+        handoff: queue.SimpleQueue[Any],
+        mode: Mode,
         on_done: Callable[[], None],
-        stats: WorkerStats,
-        worker_id: str,
-        on_retry: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name=f"pgjobs-executor-{index}", daemon=True)
         self.handoff = handoff
-        self.manager = manager
-        self.completer = completer
-        self.lease = lease
-        self.stopping = stopping
+        self.mode = mode
         self.on_done = on_done
-        self.stats = stats
-        self.worker_id = worker_id
-        # Called when a failed job is queued again (transaction mode): it sends no NOTIFY.
-        self.on_retry = on_retry
 
     def run(self) -> None:
         try:
             while (item := self.handoff.get()) is not None:
                 try:
-                    if isinstance(item, Ticket):
-                        self._run_ticket(item)
-                    else:
-                        self._run_claimed(item)
+                    self.mode.execute(item)
                 except Exception:
                     # Our own bug or an unexpected database error: the job's lease and the
                     # reaper recover it; the executor must live on.
@@ -132,76 +128,3 @@ class Executor(threading.Thread):
                     self.on_done()
         finally:
             connections.close_all()
-
-    def _run_claimed(self, job: ClaimedJob) -> None:
-        ctx = context(job)
-        self.completer.track(job, ctx)
-        try:
-            # No tidy() first: the previous job's tidy() (or reset_all()) left this thread's
-            # connections usable, and a new thread has none yet.
-            outcome = call(job, ctx)
-        finally:
-            self.completer.untrack(job)
-        if outcome.action == RELEASE:
-            reset_all()
-        else:
-            tidy()
-        if ctx.lost:
-            self.stats.add("lost")
-            logger.warning(
-                "job %s %s attempt %s lost its lease while running; outcome not recorded",
-                job.id,
-                job.task,
-                job.attempts,
-                extra={"action": "extend_lease", "job_id": job.id, "attempts": job.attempts},
-            )
-            return
-        self.completer.record(outcome)
-
-    def _run_ticket(self, ticket: Ticket) -> None:
-        if self.stopping.is_set():
-            ticket.claimed.set()
-            return
-        alias = self.manager.db_alias
-        tidy()
-        try:
-            with transaction.atomic(using=alias):
-                jobs = self.manager.claim(
-                    ticket.queue,
-                    limit=1,
-                    lease=self.lease,
-                    mode="transaction",
-                    worker_id=self.worker_id,
-                )
-                ticket.found = bool(jobs)
-                ticket.claimed.set()
-                if not jobs:
-                    return
-                with transaction.atomic(using=alias):
-                    outcome = call(jobs[0], context(jobs[0]))
-                    if outcome.failure:
-                        transaction.set_rollback(True, using=alias)
-                if outcome.action == RELEASE:
-                    # Roll the claim back with the rest: the attempt is not counted.
-                    transaction.set_rollback(True, using=alias)
-                    return
-                status = self._finish_in_transaction(outcome)
-        except DatabaseError as exc:
-            if not unavailable(exc):
-                raise
-            ticket.unavailable = exc
-            ticket.claimed.set()
-            reset(alias)
-            return
-        finally:
-            ticket.claimed.set()
-        finished(outcome, status, stats=self.stats, worker_id=self.worker_id)
-        if status == "queued" and self.on_retry is not None:
-            self.on_retry()
-
-    def _finish_in_transaction(self, outcome: Outcome) -> str | None:
-        job = outcome.job
-        if outcome.failure:
-            return self.manager.fail(job.id, job.attempts, outcome.failure, backoff=outcome.backoff)
-        done = self.manager.complete(job.id, job.attempts, outcome.result)
-        return "done" if done else None

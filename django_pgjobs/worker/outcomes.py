@@ -1,18 +1,36 @@
-"""What became of each job: the counters a worker keeps and the one log line per job."""
+"""What became of each job: the outcome to write, the counters a worker keeps, and the one
+log line per job."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-from django_pgjobs.managers import ClaimedJob
-
-if TYPE_CHECKING:
-    from django_pgjobs.worker.completer import Outcome
+from django_pgjobs.lifecycle import ClaimedJob, Failure, last_line
 
 logger = logging.getLogger("django_pgjobs.worker")
+
+COMPLETE, FAIL, RELEASE = "complete", "fail", "release"
+
+
+@dataclass
+class Outcome:
+    """What to write for one job: complete (with its result), fail, or release.
+
+    A ``final`` failure fails the job for good whatever attempts it has left (a payload that
+    can never run); an ``outage`` release is counted in the job's ``outage_releases``.
+    """
+
+    job: ClaimedJob
+    action: str
+    duration: float = 0.0
+    failure: Failure | None = None
+    result: Any = None
+    backoff: tuple[float, float] | None = None
+    final: bool = False
+    outage: bool = False
 
 
 @dataclass
@@ -93,5 +111,4 @@ def log_outcome(
     if error is None:
         logger.info(message, *args, extra=extra)
         return
-    last_line = error.strip().splitlines()[-1] if error.strip() else "error"
-    logger.log(level, message + ": %s", *args, last_line, extra=extra)
+    logger.log(level, message + ": %s", *args, last_line(error), extra=extra)

@@ -25,18 +25,25 @@ from typing import Any
 import psycopg
 from django.db import DatabaseError, connections
 
-from django_pgjobs import conf, validation
+from django_pgjobs import conf, lifecycle, validation
+from django_pgjobs.connections import connection_params
 from django_pgjobs.exceptions import InvalidJobOptions
-from django_pgjobs.managers import ClaimedJob, JobManager, default_worker_id
+from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.notify import Listener
-from django_pgjobs.worker.completer import RELEASE, Completer, Outcome
-from django_pgjobs.worker.db import Backoff, DirectConnections, unavailable
-from django_pgjobs.worker.executor import Executor, Ticket
+from django_pgjobs.worker.completer import Completer
+from django_pgjobs.worker.db import Backoff, unavailable
+from django_pgjobs.worker.executor import Executor
+from django_pgjobs.worker.lease import LeaseMode
 from django_pgjobs.worker.outcomes import WorkerStats
+from django_pgjobs.worker.store import Store
+from django_pgjobs.worker.transaction import TransactionMode
 
 logger = logging.getLogger("django_pgjobs.worker")
 
 __all__ = ["Worker", "WorkerStats"]
+
+# Seconds a worker exiting at once (a second signal) may spend ending its jobs' leases.
+EXIT_TIMEOUT = 3
 
 
 class Worker:
@@ -63,8 +70,6 @@ class Worker:
         listen_database: str | None = None,
         shutdown_timeout: float | None = None,
     ) -> None:
-        from django_pgjobs.models import Job
-
         self.queues = [validation.queue_name(q) for q in (queues or [conf.default_queue()])]
         self.concurrency = validation.positive_int(
             "concurrency", conf.concurrency() if concurrency is None else concurrency
@@ -100,22 +105,25 @@ class Worker:
             conf.shutdown_timeout() if shutdown_timeout is None else shutdown_timeout,
             minimum=0,
         )
-        # Lease mode's claims and outcomes are the worker's own transactions; in transaction
-        # mode they share the job's transaction, which keeps the server's durability.
-        self.manager: JobManager = Job.objects.db_manager(self.database).with_synchronous_commit(
-            conf.worker_synchronous_commit() if self.mode == "lease" else None
+        # Lease mode's claims and outcomes are the worker's own transactions, on connections
+        # of its own; in transaction mode they share the job's transaction, which keeps the
+        # server's durability.
+        lease_mode = self.mode == "lease"
+        self.store = Store(
+            self.database,
+            direct=lease_mode,
+            synchronous_commit=validation.synchronous_commit(
+                conf.worker_synchronous_commit() if lease_mode else None
+            ),
+            prepare=conf.prepare(),
         )
-        if self.mode == "lease":
-            # The producer's and the completer's statements go on connections of their own.
-            self.manager = self.manager.with_direct_connections(
-                DirectConnections(self.database, prepare=conf.prepare())
-            )
         self.worker_id = default_worker_id()
         self.stats = WorkerStats()
         self.stopping = threading.Event()
         self._wake = threading.Event()
         self._notified = 0
-        self._handoff: queue.SimpleQueue[ClaimedJob | Ticket | None] = queue.SimpleQueue()
+        self._handoff: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._completer: Completer | None = None
         self._signals = 0
         self._next_queue = 0
         self._lock = threading.Lock()
@@ -137,9 +145,12 @@ class Worker:
         self._signals += 1
         name = signal.Signals(signum).name
         if self._signals > 1:
+            expired = self._expire_held()
             logger.warning(
-                "%s again: exiting now; jobs still running come back after their lease",
+                "%s again: exiting now; the leases of %s jobs it held end now, and the next "
+                "reap requeues them",
                 name,
+                expired,
                 extra={"action": "shutdown", "worker_id": self.worker_id},
             )
             os._exit(1)
@@ -156,6 +167,32 @@ class Worker:
         # start, and nothing is left to stop.)
         with contextlib.suppress(RuntimeError):
             threading.Thread(target=self.stop, name="pgjobs-stop", daemon=True).start()
+
+    def _expire_held(self) -> int:
+        """End the leases of every job this worker holds, so the next reap requeues them.
+
+        One fenced statement on a fresh connection (the producer's may be mid-statement under
+        this signal handler), bounded to a few seconds: an exit at once must not hang on an
+        unreachable database. Returns how many leases ended; on any error, none (they expire
+        on their own)."""
+        held = self._completer.held() if self._completer is not None else []
+        if not held:
+            return 0
+        try:
+            with psycopg.connect(
+                **connection_params(self.database, "pgjobs-exit"),
+                autocommit=True,
+                connect_timeout=EXIT_TIMEOUT,
+                options=f"-c statement_timeout={EXIT_TIMEOUT * 1000}",
+            ) as conn:
+                return len(lifecycle.expire_lease(conn, held, synchronous_commit=None))
+        except psycopg.Error:
+            logger.exception(
+                "could not end the leases of %s jobs; they come back after their lease",
+                len(held),
+                extra={"action": "shutdown", "worker_id": self.worker_id},
+            )
+            return 0
 
     def _on_notify(self) -> None:
         self._notified += 1
@@ -184,21 +221,12 @@ class Worker:
         )
         started = time.monotonic()
         completer = Completer(
-            self.manager, self.lease, self.stats, self.worker_id, on_retry=self._on_retry
+            self.store, self.lease, self.stats, self.worker_id, on_retry=self._on_retry
         )
+        self._completer = completer
+        self._mode = self._make_mode(completer)
         executors = [
-            Executor(
-                i,
-                self._handoff,
-                manager=self.manager,
-                completer=completer,
-                lease=self.lease,
-                stopping=self.stopping,
-                on_done=self._job_done,
-                stats=self.stats,
-                worker_id=self.worker_id,
-                on_retry=self._on_retry,
-            )
+            Executor(i, self._handoff, self._mode, on_done=self._job_done)
             for i in range(self.concurrency)
         ]
         listener = None
@@ -227,6 +255,8 @@ class Worker:
         Between ticks only a NOTIFY, a freed slot while the queue may hold more, or a
         deferred job coming due wakes the producer, so an idle worker is silent."""
         backoff = Backoff("producer")
+        settle = lifecycle.REAP_SETTLE.total_seconds()
+        reconnected_at = -math.inf
         tick = min(self.poll_interval, self.reap_interval or self.poll_interval)
         next_tick = time.monotonic()  # at once: reap a crashed predecessor's jobs, then claim
         last_reap = -math.inf
@@ -256,9 +286,13 @@ class Worker:
                 maybe_more, next_due = True, None
             try:
                 reap = self.reap_interval and now - last_reap >= self.reap_interval - tick / 2
-                if timed and reap:
+                # Never reap while holding outcomes the database has not taken yet, nor soon
+                # after an outage: this worker's and every other worker's writes go first,
+                # or jobs that ran to the end would be failed as expired.
+                settled = now - reconnected_at >= settle and not completer.backlog()
+                if timed and reap and settled:
                     last_reap = now
-                    reaped = self.manager.reap()
+                    reaped = self.store.reap()
                     self.stats.add("reaped", len(reaped))
                     # A requeued job sends no NOTIFY: the claim below looks for it now.
                 free = self.concurrency - self._inflight
@@ -267,11 +301,13 @@ class Worker:
                 got = 0
                 if (maybe_more or self.burst) and free > 0:
                     wanted = min(free, self.batch_size)
-                    got = self._dispatch(wanted, completer)
+                    got = self._dispatch(wanted)
                     maybe_more = got == wanted
                     if got < wanted and not self.burst:
                         # Deferred jobs and retries send no NOTIFY when they come due.
                         next_due = self._next_due()
+                    if backoff.delay:
+                        reconnected_at = time.monotonic()
                     backoff.succeeded(self.database)
                     if got:
                         continue
@@ -279,7 +315,7 @@ class Worker:
                 if not unavailable(exc):
                     raise
                 maybe_more = True
-                self.manager.close_direct_connection()
+                self.store.close()
                 backoff.failed(self.database, exc, self.stopping)
                 continue
             if self._inflight == 0 and (
@@ -291,7 +327,7 @@ class Worker:
 
     def _next_due(self) -> float | None:
         """Monotonic time when the earliest deferred job of our queues comes due, if any."""
-        seconds = self.manager.seconds_until_due(self.queues)
+        seconds = self.store.seconds_until_due(self.queues)
         return None if seconds is None else time.monotonic() + seconds
 
     def _job_done(self) -> None:
@@ -299,53 +335,50 @@ class Worker:
             self._inflight -= 1
         self._wake.set()
 
-    def _hand_out(self, *items: ClaimedJob | Ticket) -> None:
+    def _hand_out(self, *items: Any) -> None:
         with self._lock:
             self._inflight += len(items)
         for item in items:
             self._handoff.put(item)
 
-    def _dispatch(self, wanted: int, completer: Completer) -> int:
+    def _make_mode(self, completer: Completer) -> LeaseMode | TransactionMode:
+        if self.mode == "lease":
+            return LeaseMode(
+                self.store,
+                completer,
+                lease=self.lease,
+                worker_id=self.worker_id,
+                stats=self.stats,
+                stopping=self.stopping,
+                hand_out=self._hand_out,
+            )
+        return TransactionMode(
+            self.store,
+            lease=self.lease,
+            worker_id=self.worker_id,
+            stats=self.stats,
+            stopping=self.stopping,
+            hand_out=self._hand_out,
+            on_retry=self._on_retry,
+        )
+
+    def _dispatch(self, wanted: int) -> int:
         """Claim up to ``wanted`` jobs across our queues (round robin); hand them out.
 
-        No claim starts once stop was requested. Jobs of a claim that returns after it are
-        given back instead, not started and their attempt not counted. The decision is taken
-        here, as the claim returns, not when an executor picks a job up: a job handed out
-        before the stop runs however late its executor thread gets to it."""
+        No claim starts once stop was requested (the mode gives back what a claim already
+        under way returns)."""
         got = 0
         for offset in range(len(self.queues)):
             if self.stopping.is_set():
                 break
             queue_name = self.queues[(self._next_queue + offset) % len(self.queues)]
-            if self.mode == "lease":
-                jobs = self.manager.claim(
-                    queue_name, limit=wanted - got, lease=self.lease, worker_id=self.worker_id
-                )
-                if self.stopping.is_set():
-                    for job in jobs:
-                        completer.record(Outcome(job, RELEASE))
-                else:
-                    self._hand_out(*jobs)
-                found = len(jobs)
-            else:
-                found = self._dispatch_tickets(queue_name, wanted - got)
+            found = self._mode.dispatch(queue_name, wanted - got)
             self.stats.add("claimed", found)
             got += found
             if got >= wanted:
                 break
         self._next_queue = (self._next_queue + 1) % len(self.queues)
         return got
-
-    def _dispatch_tickets(self, queue_name: str, wanted: int) -> int:
-        tickets = [Ticket(queue_name) for _ in range(wanted)]
-        for ticket in tickets:
-            self._hand_out(ticket)
-        for ticket in tickets:
-            ticket.claimed.wait()
-        for ticket in tickets:
-            if ticket.unavailable is not None:
-                raise ticket.unavailable
-        return sum(ticket.found for ticket in tickets)
 
     def _shut_down(
         self, executors: list[Executor], completer: Completer, listener: Listener | None
@@ -370,7 +403,7 @@ class Worker:
         completer.close(timeout=max(self.shutdown_timeout, 5.0))
         if listener is not None:
             listener.join(timeout=5.0)
-        self.manager.close_direct_connection()
+        self.store.close()
         connections.close_all()
 
 

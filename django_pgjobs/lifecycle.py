@@ -1,0 +1,326 @@
+"""The lifecycle statements run on a given connection: shared by ``Job.objects`` and the worker.
+
+``Job.objects`` runs them on its alias's Django connection; a lease-mode worker on its own
+direct psycopg connections, with its own commit setting (``worker.store``). Either way each
+verb is one statement from ``sql.py``. Arguments are validated by the callers; what is here
+only shapes parameters and reads rows back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
+
+from django_pgjobs import sql, validation
+from django_pgjobs.exceptions import InvalidJobOptions
+
+# The verbs log under the manager's name, the logger the docs point users to.
+logger = logging.getLogger("django_pgjobs.managers")
+
+# last_error keeps the end of very long errors (tracebacks end with what matters).
+ERROR_LIMIT = 8000
+REAP_BATCH = 1000
+# Nothing is reaped this long after the server started (sql.REAP): longer than the slowest
+# reconnect of a worker's writer (worker.db.Backoff's ceiling, 30 s), twice over.
+REAP_SETTLE = timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    """A job this worker now owns: pass it back to ``complete``/``fail``/``release``.
+
+    ``payload`` holds the keyword arguments; a row whose payload is not a JSON object (only
+    possible in a table older than its CHECK constraint) keeps ``payload`` empty and says what
+    it found in ``invalid_payload``: the worker fails that job, and only that one.
+    """
+
+    id: int
+    queue: str
+    task: str
+    payload: dict[str, Any]
+    attempts: int
+    max_attempts: int
+    # When this claim was made (the row's attempted_at): every fenced write checks it too, so
+    # a write retried after a lost acknowledgement cannot touch a later claim of the job.
+    claimed_at: datetime | None = None
+    # How often this job was given back because the queue's database was away.
+    outage_releases: int = 0
+    invalid_payload: str | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt, as django.tasks' ``TaskError`` holds it."""
+
+    exception_class_path: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> Failure:
+        kind = type(exc)
+        return cls(
+            f"{kind.__module__}.{kind.__qualname__}", "".join(traceback.format_exception(exc))
+        )
+
+    @classmethod
+    def of(cls, error: str | BaseException | Failure) -> Failure:
+        if isinstance(error, Failure):
+            return error
+        if isinstance(error, BaseException):
+            return cls.from_exception(error)
+        return cls("builtins.Exception", str(error))
+
+    @property
+    def summary(self) -> str:
+        """The traceback's last line: the exception and its message."""
+        return last_line(self.traceback)
+
+
+def last_line(error: str) -> str:
+    """The last non-blank line of an error text (a traceback ends with what went wrong)."""
+    text = error.strip()
+    return text.splitlines()[-1] if text else "error"
+
+
+class Reaped(NamedTuple):
+    id: int
+    status: str
+    attempts: int
+
+
+# A claim to fence on: a ClaimedJob, or (id, attempts[, claimed_at]).
+Claim = ClaimedJob | tuple[int, int] | tuple[int, int, datetime | None]
+
+
+def default_worker_id() -> str:
+    """``host:pid``, recorded in ``worker_ids`` for each attempt this process claims."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def clean_error(error: str) -> str:
+    """Error text PostgreSQL can store, at most ``ERROR_LIMIT`` characters (the tail)."""
+    # PostgreSQL text holds neither NUL nor lone surrogates (an undecodable file name in a
+    # message); keep the tail, where a traceback says what went wrong.
+    error = str(error).replace("\x00", "\\x00")
+    error = error.encode("utf-8", "backslashreplace").decode("utf-8")
+    return error if len(error) <= ERROR_LIMIT else "..." + error[-ERROR_LIMIT:]
+
+
+def fence_of(job: Claim) -> tuple[int, int, datetime | None]:
+    """``(id, attempts, claimed_at)`` of a claim."""
+    if isinstance(job, ClaimedJob):
+        return job.id, job.attempts, job.claimed_at
+    if not isinstance(job, tuple) or len(job) not in (2, 3):
+        raise InvalidJobOptions(
+            f"Invalid claim {job!r}: pass a ClaimedJob (from claim()) or (id, attempts[, "
+            "claimed_at])."
+        )
+    return int(job[0]), int(job[1]), job[2] if len(job) > 2 else None
+
+
+def fences(jobs: Iterable[Claim]) -> dict[str, list[Any]]:
+    """Parallel arrays for the fenced statements, in id order (a stable lock order)."""
+    ordered = sorted((fence_of(job) for job in jobs), key=lambda claim: claim[0])
+    return {
+        "ids": [claim[0] for claim in ordered],
+        "attempts": [claim[1] for claim in ordered],
+        "claimed_at": [claim[2] for claim in ordered],
+    }
+
+
+def _payload(text: str) -> tuple[dict[str, Any], str | None]:
+    """The claimed row's payload, decoded once; a non-object is reported, never raised."""
+    value = json.loads(text)
+    if isinstance(value, dict):
+        return value, None
+    kind = "null" if value is None else type(value).__name__
+    return {}, f"the payload is a JSON {kind} ({text:.80}), not an object of keyword arguments"
+
+
+def claim(
+    connection: sql.Connection,
+    *,
+    queue: str,
+    limit: int,
+    lease: timedelta,
+    worker_id: str,
+    synchronous_commit: str | None,
+) -> list[ClaimedJob]:
+    params = {
+        "queue": queue,
+        "limit": limit,
+        "lease": lease,
+        "worker_id": worker_id,
+        "synchronous_commit": synchronous_commit,
+    }
+    jobs = []
+    for job_id, job_queue, task, text, attempts, max_attempts, claimed_at, outages in sql.run(
+        connection, sql.CLAIM, params
+    ):
+        payload, invalid = _payload(text)
+        jobs.append(
+            ClaimedJob(
+                job_id,
+                job_queue,
+                task,
+                payload,
+                attempts,
+                max_attempts,
+                claimed_at,
+                outages,
+                invalid,
+            )
+        )
+    return jobs
+
+
+def complete(
+    connection: sql.Connection,
+    jobs: Iterable[Claim],
+    results: Mapping[int, Any],
+    *,
+    synchronous_commit: str | None,
+) -> set[int]:
+    claims = fences(jobs)
+    items = []
+    for job_id, attempts, claimed_at in zip(
+        claims["ids"], claims["attempts"], claims["claimed_at"], strict=True
+    ):
+        text = validation.result(results.get(job_id))
+        items.append(
+            f'{{"id":{job_id},"attempts":{attempts}'
+            + ("" if claimed_at is None else f',"claimed_at":"{claimed_at.isoformat()}"')
+            + ("" if text is None else f',"result":{text}')
+            + "}"
+        )
+    params = {"claims": f"[{','.join(items)}]", "synchronous_commit": synchronous_commit}
+    return {row[0] for row in fenced(connection, "complete", sql.COMPLETE, claims, params)}
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    """One claim to fail: its error, its ``(base, cap)`` backoff, and whether it is final."""
+
+    claim: Claim
+    failure: Failure
+    backoff: tuple[float, float]
+    final: bool = False
+
+
+def fail(
+    connection: sql.Connection,
+    attempts: Sequence[FailedAttempt],
+    *,
+    synchronous_commit: str | None,
+) -> dict[int, str]:
+    """Fail claims in one statement; return id -> new status (``queued`` or ``failed``)."""
+    by_id = {fence_of(a.claim)[0]: a for a in attempts}
+    claims = fences(a.claim for a in attempts)
+    ordered = [by_id[job_id] for job_id in claims["ids"]]
+    params = claims | {
+        "errors": [clean_error(a.failure.traceback) for a in ordered],
+        "error_classes": [a.failure.exception_class_path for a in ordered],
+        "bases": [float(a.backoff[0]) for a in ordered],
+        "caps": [float(a.backoff[1]) for a in ordered],
+        "finals": [a.final for a in ordered],
+        "synchronous_commit": synchronous_commit,
+    }
+    return {row[0]: row[1] for row in fenced(connection, "fail", sql.FAIL, claims, params)}
+
+
+def extend_lease(
+    connection: sql.Connection,
+    jobs: Iterable[Claim],
+    lease: timedelta,
+    *,
+    synchronous_commit: str | None,
+) -> set[int]:
+    claims = fences(jobs)
+    params = claims | {"lease": lease, "synchronous_commit": synchronous_commit}
+    return {row[0] for row in fenced(connection, "extend_lease", sql.EXTEND_LEASE, claims, params)}
+
+
+def expire_lease(
+    connection: sql.Connection, jobs: Iterable[Claim], *, synchronous_commit: str | None
+) -> set[int]:
+    claims = fences(jobs)
+    params = claims | {"synchronous_commit": synchronous_commit}
+    return {row[0] for row in fenced(connection, "expire_lease", sql.EXPIRE_LEASE, claims, params)}
+
+
+def release(
+    connection: sql.Connection,
+    jobs: Iterable[Claim],
+    *,
+    outage: bool = False,
+    synchronous_commit: str | None,
+) -> set[int]:
+    """Release claims; with ``outage`` each release also counts in ``outage_releases``."""
+    claims = fences(jobs)
+    params = claims | {
+        "outages": [outage] * len(claims["ids"]),
+        "synchronous_commit": synchronous_commit,
+    }
+    return {row[0] for row in fenced(connection, "release", sql.RELEASE, claims, params)}
+
+
+def fenced(
+    connection: sql.Connection,
+    action: str,
+    statement: Any,
+    claims: dict[str, list[Any]],
+    params: dict[str, Any],
+) -> list[tuple[Any, ...]]:
+    """Run one fenced write of ``claims``; return its rows (id first).
+
+    Each claim the statement did not change is logged at WARNING: the job is no longer ours.
+    """
+    if not claims["ids"]:
+        return []
+    rows = sql.run(connection, statement, params)
+    changed = {row[0] for row in rows}
+    for job_id, attempt in zip(claims["ids"], claims["attempts"], strict=True):
+        if job_id not in changed:
+            logger.warning(
+                "%s of job %s (attempt %s) changed nothing: the job is no longer ours",
+                action,
+                job_id,
+                attempt,
+                extra={"action": action, "job_id": job_id, "attempts": attempt},
+            )
+    return rows
+
+
+def reap(
+    connection: sql.Connection, batch_size: int = REAP_BATCH, settle: timedelta = REAP_SETTLE
+) -> list[Reaped]:
+    """Requeue (or fail) expired leases in batches until one comes back short."""
+    reaped: list[Reaped] = []
+    params = {"limit": batch_size, "settle": settle}
+    while True:
+        rows = [Reaped(*row) for row in sql.run(connection, sql.REAP, params)]
+        reaped.extend(rows)
+        for row in rows:
+            logger.warning(
+                "reaped job %s (attempt %s): lease expired, now %s",
+                row.id,
+                row.attempts,
+                row.status,
+                extra={"action": "reap", "job_id": row.id, "attempts": row.attempts},
+            )
+        if len(rows) < batch_size:
+            return reaped
+
+
+def seconds_until_due(connection: sql.Connection, queues: Sequence[str]) -> float | None:
+    """Seconds until the earliest job of ``queues`` that is not yet due becomes due."""
+    rows = sql.run(connection, sql.NEXT_DUE, {"queues": list(queues)})
+    seconds = rows[0][0] if rows else None
+    return None if seconds is None else max(0.0, float(seconds))

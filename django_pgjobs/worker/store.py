@@ -1,0 +1,78 @@
+"""Where a worker's claims and fenced writes run, and how durably they commit.
+
+A lease-mode worker runs its hot statements on its own direct psycopg connections, one per
+thread (``connections.DirectConnections``), optionally prepared, with
+``PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]`` applied per statement. In transaction mode they run on
+the thread's Django connection, inside the job's transaction, with the server's durability.
+``Job.objects`` knows nothing of this: both run the same statements (``lifecycle.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from django.db import connections
+
+from django_pgjobs import lifecycle, sql
+from django_pgjobs.connections import DirectConnections
+from django_pgjobs.lifecycle import Claim, ClaimedJob, FailedAttempt, Reaped
+
+
+class Store:
+    """The worker's statements on ``alias``: on direct connections when ``direct``."""
+
+    def __init__(
+        self, alias: str, *, direct: bool, synchronous_commit: str | None, prepare: bool
+    ) -> None:
+        self.alias = alias
+        self.synchronous_commit = synchronous_commit
+        self.direct = DirectConnections(alias, prepare=prepare) if direct else None
+
+    def _connection(self) -> tuple[sql.Connection, str | None]:
+        """This thread's connection, and the commit setting its statements may use."""
+        if self.direct is not None:
+            return self.direct.get(), self.synchronous_commit
+        connection = connections[self.alias]
+        # Inside atomic() (transaction mode) the caller's transaction keeps its durability.
+        mine = connection.get_autocommit() and not connection.in_atomic_block
+        return connection, self.synchronous_commit if mine else None
+
+    def close(self) -> None:
+        """Close this thread's direct connection (a fresh one is opened when next needed)."""
+        if self.direct is not None:
+            self.direct.close()
+
+    def claim(self, queue: str, limit: int, lease: timedelta, worker_id: str) -> list[ClaimedJob]:
+        connection, commit = self._connection()
+        return lifecycle.claim(
+            connection,
+            queue=queue,
+            limit=limit,
+            lease=lease,
+            worker_id=worker_id,
+            synchronous_commit=commit,
+        )
+
+    def complete(self, jobs: Iterable[Claim], results: dict[int, Any]) -> set[int]:
+        connection, commit = self._connection()
+        return lifecycle.complete(connection, jobs, results, synchronous_commit=commit)
+
+    def fail(self, attempts: Sequence[FailedAttempt]) -> dict[int, str]:
+        connection, commit = self._connection()
+        return lifecycle.fail(connection, attempts, synchronous_commit=commit)
+
+    def release(self, jobs: Iterable[Claim], *, outage: bool = False) -> set[int]:
+        connection, commit = self._connection()
+        return lifecycle.release(connection, jobs, outage=outage, synchronous_commit=commit)
+
+    def extend_lease(self, jobs: Collection[Claim], lease: timedelta) -> set[int]:
+        connection, commit = self._connection()
+        return lifecycle.extend_lease(connection, jobs, lease, synchronous_commit=commit)
+
+    def reap(self) -> list[Reaped]:
+        return lifecycle.reap(self._connection()[0])
+
+    def seconds_until_due(self, queues: Sequence[str]) -> float | None:
+        return lifecycle.seconds_until_due(self._connection()[0], queues)

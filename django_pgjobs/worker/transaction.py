@@ -1,0 +1,111 @@
+"""Transaction mode: claim, run and complete one job in a single transaction.
+
+The producer hands out tickets ("claim one job of this queue and run it"); an executor opens
+a transaction on its own connection, claims one job in it, runs the job in a savepoint
+(rolled back if the job fails) and writes the outcome before committing. A crash rolls the
+claim back with everything else, so no lease is needed to recover it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.db import DatabaseError, transaction
+
+from django_pgjobs import conf
+from django_pgjobs.lifecycle import FailedAttempt
+from django_pgjobs.worker.db import reset, tidy, unavailable
+from django_pgjobs.worker.executor import call, context
+from django_pgjobs.worker.outcomes import RELEASE, Outcome, WorkerStats, finished
+from django_pgjobs.worker.store import Store
+
+
+@dataclass
+class Ticket:
+    """ "Claim one job of ``queue`` and run it"; ``claimed`` says how the claim went."""
+
+    queue: str
+    claimed: threading.Event = field(default_factory=threading.Event)
+    found: bool = False
+    unavailable: BaseException | None = None
+
+
+class TransactionMode:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        lease: timedelta,
+        worker_id: str,
+        stats: WorkerStats,
+        stopping: threading.Event,
+        hand_out: Callable[..., None],
+        on_retry: Callable[[], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.lease = lease
+        self.worker_id = worker_id
+        self.stats = stats
+        self.stopping = stopping
+        self.hand_out = hand_out
+        # Called when a failed job is queued again: its retry sends no NOTIFY.
+        self.on_retry = on_retry
+
+    def dispatch(self, queue_name: str, wanted: int) -> int:
+        """Hand out ``wanted`` tickets and wait until each has claimed (or found nothing)."""
+        tickets = [Ticket(queue_name) for _ in range(wanted)]
+        self.hand_out(*tickets)
+        for ticket in tickets:
+            ticket.claimed.wait()
+        for ticket in tickets:
+            if ticket.unavailable is not None:
+                raise ticket.unavailable
+        return sum(ticket.found for ticket in tickets)
+
+    def execute(self, ticket: Ticket) -> None:
+        if self.stopping.is_set():
+            ticket.claimed.set()
+            return
+        alias = self.store.alias
+        tidy()
+        try:
+            with transaction.atomic(using=alias):
+                jobs = self.store.claim(ticket.queue, 1, self.lease, self.worker_id)
+                ticket.found = bool(jobs)
+                ticket.claimed.set()
+                if not jobs:
+                    return
+                with transaction.atomic(using=alias):
+                    outcome = call(jobs[0], context(jobs[0]), alias)
+                    if outcome.failure:
+                        transaction.set_rollback(True, using=alias)
+                if outcome.action == RELEASE:
+                    # Roll the claim back with the rest: the attempt is not counted.
+                    transaction.set_rollback(True, using=alias)
+                    return
+                status = self._finish(outcome)
+        except DatabaseError as exc:
+            if not unavailable(exc):
+                raise
+            ticket.unavailable = exc
+            ticket.claimed.set()
+            reset(alias)
+            return
+        finally:
+            ticket.claimed.set()
+        finished(outcome, status, stats=self.stats, worker_id=self.worker_id)
+        if status == "queued" and self.on_retry is not None:
+            self.on_retry()
+
+    def _finish(self, outcome: Outcome) -> str | None:
+        job = outcome.job
+        if outcome.failure:
+            attempt = FailedAttempt(
+                job, outcome.failure, outcome.backoff or conf.backoff(), outcome.final
+            )
+            return self.store.fail([attempt]).get(job.id)
+        done = self.store.complete([job], {job.id: outcome.result})
+        return "done" if done else None
