@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import psycopg
+from django.db import connection
+
 from django_pgjobs import current_job, job
 
 
@@ -31,3 +34,30 @@ def long_running(seconds: float = 3.0) -> None:
         if ctx is not None and ctx.lost:
             return
         time.sleep(0.05)
+
+
+@job(max_attempts=2)
+def connect_elsewhere(url: str = "postgresql://postgres@127.0.0.1:1/nowhere") -> None:
+    """Fails on a connection of its own (another server): the job's failure, not an outage."""
+    psycopg.connect(url, connect_timeout=2).close()
+
+
+@job(max_attempts=2)
+def fails_while_handling_a_connection_error() -> None:
+    """Its own error's __context__ is a connection error; the error itself is a ValueError."""
+    try:
+        psycopg.connect("postgresql://postgres@127.0.0.1:1/nowhere", connect_timeout=2)
+    except psycopg.OperationalError:
+        raise ValueError("gave up on the other service") from None
+
+
+@job(max_attempts=2)
+def drop_own_connection() -> None:
+    """Its queries on the queue's database lose their connection: an outage of that database."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+
+# Retried at once: the tests wait for the second attempt, not for a backoff.
+connect_elsewhere.backoff = fails_while_handling_a_connection_error.backoff = (0.0, 0.0)
+drop_own_connection.backoff = (0.0, 0.0)

@@ -1,0 +1,254 @@
+"""Whatever a row holds and whatever a job raises, the worker lives on and each job gets the
+outcome it earned: a payload that is not an object fails that job alone; a job's own
+connection errors are its failures, not outages; an outage of the queue's database gives the
+attempt back, a bounded number of times; a database that comes back after an outage longer
+than the lease fails nothing that ran; the single-job verbs fence on the claim."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from django.db import connection
+
+from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.models import Job
+from django_pgjobs.notify import Listener
+from django_pgjobs.worker.executor import MAX_OUTAGE_RELEASES
+from scripts.pgserver import ThrowawayPostgres
+from testproject.testjobs import (
+    connect_elsewhere,
+    drop_own_connection,
+    fails_while_handling_a_connection_error,
+    noop,
+    sleep,
+)
+from tests.helpers import job_row, query, wait_until
+from tests.workers import Workers, counts
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@contextlib.contextmanager
+def without_payload_check() -> Iterator[None]:
+    """A table from before the payload CHECK: rows whose payload is not an object exist."""
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE pgjobs_job DROP CONSTRAINT pgjobs_job_payload_check")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DELETE FROM pgjobs_job WHERE jsonb_typeof(payload) <> 'object'")
+            cursor.execute(
+                "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_payload_check "
+                "CHECK (jsonb_typeof(payload) = 'object')"
+            )
+
+
+def test_a_payload_that_is_not_an_object_fails_that_job_and_no_other(workers: Workers) -> None:
+    good = Job.objects.enqueue_many(noop, [{"n": 1}, {"n": 2}, {"n": 3}])
+    with without_payload_check():
+        bad = [
+            row[0]
+            for row in query(
+                "INSERT INTO pgjobs_job (task, payload, run_at) "
+                "SELECT %s, p, now() FROM unnest(%s::jsonb[]) AS p RETURNING id",
+                [
+                    noop.name,
+                    ['"just text"', '"{\\"n\\": 4}"', "[1, 2]", "null", "7"],
+                ],
+            )
+        ]
+        worker = workers.burst("--concurrency", "2", "--batch-size", "10")
+        # One burst ran everything: no worker died, and the bad rows did not come back.
+        assert worker.popen.returncode == 0
+        assert counts() == {"done": len(good), "failed": len(bad)}
+        for job_id in bad:
+            row = job_row(job_id)
+            assert row["attempts"] == 1
+            assert "InvalidPayload" in row["last_error"]
+            assert "not an object" in row["last_error"]
+        # A JSON string holding JSON is not decoded a second time into arguments.
+        assert "a JSON str" in job_row(bad[1])["last_error"]
+
+
+def test_a_jobs_own_connection_error_is_its_failure(workers: Workers) -> None:
+    elsewhere = connect_elsewhere.enqueue()
+    in_handler = fails_while_handling_a_connection_error.enqueue()
+    worker = workers.start("--concurrency", "2", "--poll-interval", "0.2")
+    wait_until(
+        lambda: {job_row(j.id)["status"] for j in (elsewhere, in_handler)} == {"failed"},
+        timeout=60,
+        message="both jobs to fail for good",
+    )
+    worker.send(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    for job in (elsewhere, in_handler):
+        row = job_row(job.id)
+        # Both attempts counted, then failed for good: never released and claimed again.
+        assert (row["status"], row["attempts"]) == ("failed", 2), row
+        assert scalar_outages(job.id) == 0
+    assert "ValueError: gave up" in job_row(in_handler.id)["last_error"]
+
+
+def scalar_outages(job_id: int) -> int:
+    return int(query("SELECT outage_releases FROM pgjobs_job WHERE id = %s", [job_id])[0][0])
+
+
+def test_an_outage_of_the_queue_database_is_released_a_bounded_number_of_times(
+    workers: Workers,
+) -> None:
+    released = drop_own_connection.enqueue()
+    capped = drop_own_connection.enqueue()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_job SET outage_releases = %s WHERE id = %s",
+            [MAX_OUTAGE_RELEASES, capped.id],
+        )
+    worker = workers.start("--concurrency", "1", "--poll-interval", "0.2")
+    # The first job's connection to the queue's database broke: given back, attempt not
+    # counted, once more each time, until the cap; the capped one fails on its attempts.
+    wait_until(lambda: job_row(capped.id)["status"] == "failed", timeout=60, message="capped job")
+    wait_until(
+        lambda: job_row(released.id)["status"] == "failed", timeout=120, message="released job"
+    )
+    worker.send(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    row = job_row(released.id)
+    assert scalar_outages(released.id) == MAX_OUTAGE_RELEASES
+    assert row["attempts"] == 2
+    assert scalar_outages(capped.id) == MAX_OUTAGE_RELEASES
+    assert job_row(capped.id)["attempts"] == 2
+    assert "released" in worker.log() and "outage of the queue's database" in worker.log()
+
+
+def test_the_single_job_verbs_fence_on_the_claim_time() -> None:
+    Job.objects.enqueue(noop, {})
+    (first,) = Job.objects.claim("default", limit=1)
+    assert Job.objects.release(first)
+    (second,) = Job.objects.claim("default", limit=1)
+    assert (second.id, second.attempts) == (first.id, first.attempts)
+    # The first claim's id and attempts match the second claim; its claim time does not.
+    assert not Job.objects.complete(first)
+    assert not Job.objects.release(first)
+    assert Job.objects.fail(first, error="late") is None
+    assert not Job.objects.extend_lease(first)
+    assert job_row(second.id)["status"] == "running"
+    # The plain form cannot tell the claims apart: its documented limit.
+    assert Job.objects.extend_lease(first.id, first.attempts)
+    assert Job.objects.complete(second, result={"ok": True})
+    assert job_row(second.id)["status"] == "done"
+
+
+def test_the_single_job_verbs_refuse_a_claim_they_cannot_fence() -> None:
+    job = Job.objects.enqueue(noop, {})
+    (claimed,) = Job.objects.claim("default", limit=1)
+    with pytest.raises(InvalidJobOptions, match="ClaimedJob alone"):
+        Job.objects.complete(claimed, 1)
+    with pytest.raises(InvalidJobOptions, match="job id and its attempts"):
+        Job.objects.complete(job.id)
+    assert job_row(job.id)["status"] == "running"
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=False)
+def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(workers: Workers) -> None:
+    """Three workers hold jobs through an outage three times the lease; when the server is
+    back, what ran is done and what was to be given back is queued: nothing is failed as
+    expired, not even jobs with a single attempt."""
+    total = 300
+    with ThrowawayPostgres() as pg:
+        server = psycopg.connect(pg.url, autocommit=True)
+
+        def status() -> dict[str, int]:
+            rows = server.execute("SELECT status, count(*) FROM pgjobs_job GROUP BY 1").fetchall()
+            return dict(rows)
+
+        try:
+            workers.run("migrate", "--verbosity", "0", database_url=pg.url, timeout=120)
+            server.execute(
+                "INSERT INTO pgjobs_job (task, payload, max_attempts) "
+                "SELECT %s, jsonb_build_object('seconds', 0.5), 1 FROM generate_series(1, %s)",
+                [sleep.name, total],
+            )
+            started = [
+                workers.start(
+                    "--concurrency",
+                    "4",
+                    "--lease",
+                    "2",
+                    "--reap-interval",
+                    "1",
+                    "--poll-interval",
+                    "1",
+                    database_url=pg.url,
+                )
+                for _ in range(3)
+            ]
+            wait_until(lambda: status().get("done", 0) >= 20, timeout=60, message="a start")
+            server.close()
+            pg.stop()
+            time.sleep(6)  # the outage itself: three leases long
+            pg.start()
+            server = psycopg.connect(pg.url, autocommit=True)
+            wait_until(lambda: status().get("done", 0) == total, timeout=180, message="all done")
+            assert status() == {"done": total}
+            expired = server.execute(
+                "SELECT count(*) FROM pgjobs_job WHERE errors::text LIKE '%LeaseExpired%'"
+            ).fetchone()
+            assert expired == (0,)
+            for worker in started:
+                worker.send(signal.SIGTERM)
+            for worker in started:
+                assert worker.wait(30) == 0
+        finally:
+            server.close()
+
+
+def test_a_second_signal_ends_the_leases_it_holds(workers: Workers) -> None:
+    jobs = Job.objects.enqueue_many(sleep, [{"seconds": 30}] * 2)
+    worker = workers.start("--concurrency", "2", "--lease", "300")
+    wait_until(lambda: counts().get("running") == 2, timeout=30, message="both running")
+    worker.send(signal.SIGINT)
+    worker.wait_for_log("SIGINT: stopping")
+    worker.send(signal.SIGINT)
+    assert worker.wait(30) == 1
+    assert "the leases of 2 jobs it held end now" in worker.log()
+    # Expired now, not in 300 s: the next reap takes them back.
+    for job_id in jobs:
+        assert query("SELECT locked_until <= now() FROM pgjobs_job WHERE id = %s", [job_id]) == [
+            (True,)
+        ]
+    reaped = Job.objects.reap()
+    assert sorted(row.id for row in reaped) == sorted(jobs)
+
+
+def wakeups(thread: threading.Thread) -> int:
+    """How often the kernel woke ``thread`` from a wait (its voluntary context switches)."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(re.search(r"voluntary_ctxt_switches:\s+(\d+)", status)[1])  # type: ignore[index]
+
+
+def test_an_idle_listener_sleeps_until_stopped() -> None:
+    """An idle listener waits on its socket and its pipe alone: it does not wake to look for
+    a stop (a worker used to take up to a second to exit), and stop() ends it at once."""
+    connected = threading.Event()
+    listener = Listener("default", ["default"], connected.set)
+    listener.start()
+    try:
+        assert connected.wait(30)
+        time.sleep(0.2)  # let it settle into its wait after the catch-up wake-up
+        before = wakeups(listener)
+        time.sleep(2.5)  # two and a half polls of the old one-second timeout
+        assert wakeups(listener) == before
+    finally:
+        listener.stop()
+        listener.join(60)
+    assert not listener.is_alive()
