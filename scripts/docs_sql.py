@@ -3,7 +3,7 @@
 Every ```sql block in README.md, docs/ and benchmarks/ says what it is, in an HTML comment on
 the line just before its opening fence:
 
-    <!-- sql.CLAIM -->                    the statement django_pgjobs.sql.CLAIM, exactly
+    <!-- sql.CLAIM -->                    the statement django_pgjobs.sql.CLAIM (blank lines out)
     <!-- migration.0002_job_results -->   the SQL that migration runs (its RunSQL), exactly
     <!-- excerpt: sql.COMPLETE -->        consecutive lines of that text, to discuss one part
     <!-- quoted: TITLE -->                SQL printed by one of the source articles (SOURCES)
@@ -147,7 +147,8 @@ def resolve(reference: str) -> tuple[str, ...]:
         if not isinstance(value, str) or not match["name"].isupper():
             what = "no such constant" if value is None else "not a statement"
             raise UnknownReference(f"django_pgjobs.sql.{match['name']}: {what}")
-        return statement_lines(value)
+        # One statement joined from fragments: a blank line inside it is where two were joined.
+        return tuple(line for line in statement_lines(value) if line)
     try:
         module = importlib.import_module(f"django_pgjobs.migrations.{match['name']}")
     except ModuleNotFoundError:
