@@ -89,6 +89,13 @@ def last_line(error: str) -> str:
     return text.splitlines()[-1] if text else "error"
 
 
+def reason(exc: BaseException) -> str:
+    """The first line of an exception's message (a connection error's is the one that
+    matters), or its class name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class Reaped(NamedTuple):
     id: int
     status: str

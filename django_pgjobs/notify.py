@@ -36,6 +36,7 @@ from django.db import DatabaseError, connections, transaction
 
 from django_pgjobs import conf, sql
 from django_pgjobs.connections import connection_params
+from django_pgjobs.lifecycle import reason
 
 logger = logging.getLogger(__name__)
 
@@ -269,11 +270,10 @@ class Listener(threading.Thread):
                 if self._stopping.is_set():
                     return
                 delay = min(max(delay * 2, 0.5), 30.0)
-                reason = str(exc).strip()
                 logger.warning(
                     "LISTEN connection to %s lost (%s); reconnecting in %.1f s",
                     self.alias,
-                    reason.splitlines()[0] if reason else type(exc).__name__,
+                    reason(exc),
                     delay,
                     extra={"action": "listen"},
                 )

@@ -9,6 +9,7 @@ import psycopg
 from django.db import DatabaseError, InterfaceError, connections
 
 from django_pgjobs import sql
+from django_pgjobs.lifecycle import reason
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -88,7 +89,7 @@ class Backoff:
             "%s: database %s unavailable (%s); reconnecting in %.1f s",
             self.what,
             alias,
-            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            reason(exc),
             self.delay,
             extra={"action": "reconnect"},
         )
