@@ -126,7 +126,7 @@ def test_an_outage_of_the_queue_database_is_released_a_bounded_number_of_times(
     assert row["attempts"] == 2
     assert scalar_outages(capped.id) == MAX_OUTAGE_RELEASES
     assert job_row(capped.id)["attempts"] == 2
-    assert "released" in worker.log() and "outage of the queue's database" in worker.log()
+    assert "released" in worker.log() and "met a database outage; releasing it" in worker.log()
 
 
 def test_the_single_job_verbs_fence_on_the_claim_time() -> None:

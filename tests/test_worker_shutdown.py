@@ -13,7 +13,7 @@ import pytest
 from django_pgjobs.managers import ClaimedJob
 from django_pgjobs.models import Job
 from django_pgjobs.worker import Worker
-from django_pgjobs.worker.executor import Ticket
+from django_pgjobs.worker.transaction import Ticket
 from scripts.pgserver import ThrowawayPostgres
 from testproject.shop.models import Order
 from testproject.testjobs import sleep
@@ -142,7 +142,8 @@ def test_a_looping_reaper_rides_out_a_database_restart(workers: Workers) -> None
                 lambda: (
                     f"job {job_id}: queued after 1 attempts" in reaper.output() or not reaper.alive
                 ),
-                timeout=30,
+                # Nothing is reaped in the server's first minute (lifecycle.REAP_SETTLE).
+                timeout=150,
                 message="the reaper to reap the job",
             )
             assert reaper.alive, reaper.tail()

@@ -70,8 +70,8 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
         if queue_database_away(exc, alias):
             if job.outage_releases < MAX_OUTAGE_RELEASES:
                 logger.warning(
-                    "job %s %s attempt %s met an outage of the queue's database; releasing it "
-                    "(attempt not counted)",
+                    "job %s %s attempt %s met a database outage; releasing it (attempt not "
+                    "counted)",
                     job.id,
                     job.task,
                     job.attempts,
