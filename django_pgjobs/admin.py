@@ -145,6 +145,7 @@ class JobAdmin(_JobModelAdmin):
         "run_at",
         "attempts",
         "max_attempts",
+        "outage_releases",
         "locked_until",
         "created_at",
         "started_at",

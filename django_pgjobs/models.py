@@ -11,7 +11,15 @@ needs, each for a reason:
 - ``finished_at``: when it reached done/failed (pruning by age of completion);
 - ``result``: the JSON return value of a django.tasks task;
 - ``errors``: every failed attempt (exception class path and traceback);
-- ``worker_ids``: the worker that claimed each attempt.
+- ``worker_ids``: the worker that claimed each attempt;
+- ``outage_releases``: how many times the job was given back because the queue's own database
+  was away (such a release does not count an attempt; the worker caps it so nothing loops).
+
+CHECK constraints keep a row written with plain SQL to what ``enqueue()`` accepts: a status of
+``Status``, a priority of -100..100, a payload that is a JSON object (the function's keyword
+arguments), a valid queue name, ``max_attempts`` of 1 or more, ``attempts`` from 0 to
+``max_attempts``, and a queued job with an attempt left (the claim adds one, and must not
+step outside the previous constraint).
 
 The SQL that creates it is frozen in the migrations; the fields mirror it for the ORM.
 """
@@ -22,9 +30,11 @@ from typing import ClassVar
 
 import django
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Func, Q, TextField, Value
+from django.db.models.lookups import Exact
 
 from django_pgjobs.managers import JobManager
+from django_pgjobs.validation import QUEUE_NAME
 
 
 class Status(models.TextChoices):
@@ -60,6 +70,7 @@ class Job(models.Model):
     result = models.JSONField(null=True, blank=True)
     errors = models.JSONField(default=list)
     worker_ids = models.JSONField(default=list)
+    outage_releases = models.IntegerField(default=0)
 
     objects: ClassVar[JobManager] = JobManager()
 
@@ -91,6 +102,24 @@ class Job(models.Model):
         constraints = (
             _check(Q(status__in=Status.values), "pgjobs_job_status_check"),
             _check(Q(priority__gte=-100, priority__lte=100), "pgjobs_job_priority_check"),
+            _check(
+                Q(
+                    Exact(
+                        Func("payload", function="jsonb_typeof", output_field=TextField()),
+                        Value("object"),
+                    )
+                ),
+                "pgjobs_job_payload_check",
+            ),
+            _check(Q(queue__regex=f"^{QUEUE_NAME.pattern}$"), "pgjobs_job_queue_check"),
+            _check(Q(max_attempts__gte=1), "pgjobs_job_max_attempts_check"),
+            _check(
+                Q(attempts__gte=0, attempts__lte=F("max_attempts")), "pgjobs_job_attempts_check"
+            ),
+            _check(
+                ~Q(status=Status.QUEUED) | Q(attempts__lt=F("max_attempts")),
+                "pgjobs_job_queued_attempts_check",
+            ),
         )
 
     def __str__(self) -> str:
@@ -136,6 +165,7 @@ class ArchivedJob(models.Model):
     result = models.JSONField(null=True, blank=True)
     errors = models.JSONField(default=list)
     worker_ids = models.JSONField(default=list)
+    outage_releases = models.IntegerField(default=0)
     archived_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

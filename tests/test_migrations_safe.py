@@ -7,7 +7,10 @@ busy jobs table (seed 003's online-DDL checklist), judged from the SQL ``sqlmigr
 - indexes are created and dropped ``CONCURRENTLY``, which only a non-atomic migration can do;
 - constraints are added ``NOT VALID`` and validated later, in another transaction;
 - no ``ALTER COLUMN ... TYPE`` (int to bigint rewrites the whole table under ACCESS EXCLUSIVE);
-- an atomic migration changes one table (no deadlock between two tables' locks).
+- an atomic migration changes one table (no deadlock between two tables' locks);
+- a data repair (UPDATE or DELETE of a jobs table) has a WHERE, so it writes only the rows it
+  repairs, not a new version of every row, and runs under a lock_timeout too: it waits for
+  row locks that transaction-mode workers hold, while holding the rows it already changed.
 
 The migrations are found on disk, so a migration added later is checked without touching this
 file; the checker is shown to fail on bad SQL.
@@ -103,6 +106,8 @@ ADD_CONSTRAINT = re.compile(
 VALIDATE = re.compile(r"VALIDATE CONSTRAINT \"?(\w+)\"?", re.I)
 COLUMN_TYPE = re.compile(r"ALTER (?:COLUMN )?\"?\w+\"? (?:SET DATA )?TYPE\b", re.I)
 STORED = re.compile(r"ADD (?:COLUMN )?[^,]*GENERATED ALWAYS AS .* STORED", re.I)
+ROWS_WRITTEN = re.compile(rf"(?:UPDATE|DELETE FROM) (?:ONLY )?{NAME}", re.I)
+WHERE = re.compile(r"\bWHERE\b", re.I)
 
 
 @dataclass
@@ -133,6 +138,20 @@ def _table_locked(statement: str) -> str | None:
     return None
 
 
+def _check_repair(statement: str, timeout: bool, result: Findings) -> None:
+    short = statement[:90]
+    if not WHERE.search(statement):
+        result.problems.append(
+            f"{short!r} writes every row of the table (a new version of each, and a lock on "
+            "each until it commits): repair only the bad rows, with a WHERE"
+        )
+    if not timeout:
+        result.problems.append(
+            f"{short!r} runs with no lock_timeout: it waits for rows that workers hold while "
+            "holding the rows it changed already; set one first"
+        )
+
+
 def check_sql(text: str, *, atomic: bool) -> Findings:
     """What is unsafe in one migration's SQL on the live jobs tables (empty when safe)."""
     result = Findings()
@@ -153,6 +172,10 @@ def check_sql(text: str, *, atomic: bool) -> Findings:
             continue
         if RESET_TIMEOUT.match(statement):
             timeout = False
+            continue
+        written = ROWS_WRITTEN.match(statement)
+        if written and written.group(1) in TABLES:
+            _check_repair(statement, timeout, result)
             continue
         table = _table_locked(statement)
         if table is None:
@@ -260,7 +283,7 @@ def is_atomic(name: str) -> bool:
 def test_the_migrations_found_on_disk_are_the_apps_migrations() -> None:
     # The list the tests below iterate over is the files; make sure it is not empty or stale.
     assert MIGRATIONS[0] == CREATES_THE_TABLE
-    assert len(MIGRATIONS) >= 5
+    assert len(MIGRATIONS) >= 6
     assert (
         "CREATE TABLE pgjobs_job ("
         in importlib.import_module(f"{APP}.migrations.{CREATES_THE_TABLE}").CREATE
@@ -304,6 +327,38 @@ def test_the_checker_reads_the_real_sqlmigrate_output_not_just_its_own_examples(
         "RESET lock_timeout;", "SET lock_timeout = '5s';"
     )
     assert len(check_sql(late, atomic=False).problems) == 4
+
+
+@pytest.mark.django_db
+def test_the_checker_objects_to_the_constraint_migration_without_its_safeguards() -> None:
+    name = next(m for m in MIGRATIONS if m.startswith("0006_"))
+    text = sqlmigrate(name)
+    assert not is_atomic(name)
+    assert check_sql(text, atomic=False).problems == []
+    assert text.count("NOT VALID") == 5 and text.count("VALIDATE CONSTRAINT") == 5
+
+    # Constraints checked under the table lock instead of NOT VALID then VALIDATE.
+    problems = check_sql(text.replace(" NOT VALID", ""), atomic=False).problems
+    assert len(problems) == 5 and all("NOT VALID" in p for p in problems), problems
+    # Added NOT VALID and never validated.
+    unvalidated = "\n".join(line for line in text.splitlines() if "VALIDATE" not in line)
+    assert check_sql(unvalidated, atomic=False).unvalidated == {
+        "pgjobs_job_payload_check",
+        "pgjobs_job_queue_check",
+        "pgjobs_job_max_attempts_check",
+        "pgjobs_job_attempts_check",
+        "pgjobs_job_queued_attempts_check",
+    }
+    # No lock_timeout: the ALTER, the repair, the five VALIDATEs and the archive's ALTER.
+    problems = check_sql(text.replace("SET lock_timeout = '5s';", ""), atomic=False).problems
+    assert len(problems) == 8 and all("no lock_timeout" in p for p in problems), problems
+    assert sum("UPDATE pgjobs_job" in p for p in problems) == 1
+    # The repair without its WHERE rewrites the whole table.
+    repair = text[text.index("UPDATE pgjobs_job\nSET") :]
+    everything = repair[: repair.index("WHERE jsonb_typeof")] + ";"
+    problems = check_sql(everything, atomic=False).problems
+    assert [p[1:18] for p in problems] == ["UPDATE pgjobs_job", "UPDATE pgjobs_job"]
+    assert "with a WHERE" in problems[0] and "no lock_timeout" in problems[1]
 
 
 # -- the checker fails on bad SQL --------------------------------------------------------------
@@ -453,6 +508,24 @@ def test_the_checker_catches_what_makemigrations_would_write() -> None:
             "one table per",
             id="two-tables-in-one-transaction",
         ),
+        pytest.param(
+            TIMEOUT + "UPDATE pgjobs_job SET max_attempts = greatest(max_attempts, 1);",
+            False,
+            "with a WHERE",
+            id="repair-of-every-row",
+        ),
+        pytest.param(
+            TIMEOUT + "DELETE FROM public.pgjobs_job_archive;",
+            False,
+            "with a WHERE",
+            id="delete-of-every-row",
+        ),
+        pytest.param(
+            "UPDATE pgjobs_job SET max_attempts = 1 WHERE max_attempts < 1;",
+            False,
+            "no lock_timeout",
+            id="repair-without-lock-timeout",
+        ),
     ],
 )
 def test_the_checker_finds_unsafe_sql(text: str, atomic: bool, complaint: str) -> None:
@@ -490,6 +563,12 @@ def test_the_checker_finds_unsafe_sql(text: str, atomic: bool, complaint: str) -
             "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_u UNIQUE USING INDEX pgjobs_job_u;",
             False,
             id="unique-using-a-concurrent-index",
+        ),
+        pytest.param(
+            "SET lock_timeout = '3s';\n"
+            "UPDATE pgjobs_job SET attempts = 0 WHERE attempts < 0;\nRESET lock_timeout;",
+            False,
+            id="repair-of-the-bad-rows-only",
         ),
         pytest.param(
             # Statements about other tables, and text that only looks like DDL.

@@ -7,11 +7,12 @@ The migration's SQL is frozen by hand, so nothing but these tests keeps it, the 
 from __future__ import annotations
 
 import io
+import json
 import re
 
 import pytest
 from django.core.management import call_command
-from django.db import DatabaseError, connection, models, transaction
+from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from django.test import TestCase, TransactionTestCase
 
 from django_pgjobs import sql
@@ -77,9 +78,9 @@ class TableTests(TestCase):
         row = query(
             "INSERT INTO pgjobs_job (task, payload) VALUES ('x.y', '{\"a\": 1}') "
             "RETURNING id, queue, status, attempts, max_attempts, priority, "
-            "run_at = now(), created_at = now(), locked_until, last_error"
+            "run_at = now(), created_at = now(), locked_until, last_error, outage_releases"
         )[0]
-        assert row[1:] == ("default", "queued", 0, 5, 0, True, True, None, None)
+        assert row[1:] == ("default", "queued", 0, 5, 0, True, True, None, None, 0)
         assert isinstance(row[0], int)
 
     def test_id_is_an_identity_that_refuses_explicit_values(self) -> None:
@@ -158,6 +159,18 @@ class DriftTests(TestCase):
             expected = self._index_def(twin.name).replace(twin.name, index.name)
             assert self._index_def(index.name) == expected
 
+    def test_every_constraint_is_validated(self) -> None:
+        # A constraint left NOT VALID (a migration that stopped before its VALIDATE) still
+        # checks new rows but promises nothing about old ones.
+        constraints = dict(
+            query(
+                "SELECT conname, convalidated FROM pg_constraint "
+                "WHERE conrelid = 'pgjobs_job'::regclass AND contype = 'c'"
+            )
+        )
+        assert set(constraints) == {c.name for c in Job._meta.constraints}
+        assert all(constraints.values()), constraints
+
     def test_check_constraints_match_the_models(self) -> None:
         for constraint in Job._meta.constraints:
             assert isinstance(constraint, models.CheckConstraint)
@@ -173,3 +186,240 @@ class DriftTests(TestCase):
                 )
             )
             assert definitions[constraint.name] == definitions[twin.name], definitions
+
+
+BEFORE_CONSTRAINTS = "0005_admin_proxies"
+NEW_CONSTRAINTS = {
+    "pgjobs_job_payload_check",
+    "pgjobs_job_queue_check",
+    "pgjobs_job_max_attempts_check",
+    "pgjobs_job_attempts_check",
+    "pgjobs_job_queued_attempts_check",
+}
+FINISHED = "2030-01-02T03:04:05+00:00"
+INVALID = (
+    "InvalidPayload: the payload was {}, not an object; the original is kept under invalid_payload"
+)
+
+
+def migrate(target: str | None = None) -> None:
+    """Migrate django_pgjobs to ``target`` (its latest migration when None)."""
+    call_command("migrate", "django_pgjobs", *([target] if target else []), verbosity=0)
+
+
+def old_job(**columns: object) -> int:
+    """INSERT a job with SQL as the schema before 0006 allowed it (text values cast)."""
+    columns = {"task": "x.y", **columns}
+    casts = {"payload": "jsonb", "errors": "jsonb", "finished_at": "timestamptz"}
+    slots = ", ".join(f"%s::{casts[name]}" if name in casts else "%s" for name in columns)
+    return int(
+        scalar(
+            f"INSERT INTO pgjobs_job ({', '.join(columns)}) VALUES ({slots}) RETURNING id",
+            list(columns.values()),
+        )
+    )
+
+
+def columns_of(job_id: int) -> dict[str, object]:
+    names = (
+        "queue, payload, status, attempts, max_attempts, locked_until, last_error, errors, "
+        "finished_at, xmin::text AS version"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {names} FROM pgjobs_job WHERE id = %s", [job_id])
+        row = dict(zip([c.name for c in cursor.description], cursor.fetchone(), strict=True))
+    # Django's psycopg setup hands jsonb back as text.
+    for name in ("payload", "errors"):
+        if isinstance(row[name], str):
+            row[name] = json.loads(row[name])
+    return row
+
+
+def constraint_names() -> set[str]:
+    return {
+        name
+        for (name,) in query(
+            "SELECT conname FROM pg_constraint WHERE conrelid = 'pgjobs_job'::regclass"
+        )
+    }
+
+
+def has_outage_releases(table: str) -> bool:
+    return bool(
+        scalar(
+            "SELECT count(*) FROM information_schema.columns "
+            "WHERE table_name = %s AND column_name = 'outage_releases'",
+            [table],
+        )
+    )
+
+
+class ConstraintMigrationTests(TransactionTestCase):
+    """Migration 0006 on a table that already holds rows its constraints refuse."""
+
+    def setUp(self) -> None:
+        self.addCleanup(self._back_to_latest)
+        migrate(BEFORE_CONSTRAINTS)
+        assert not constraint_names() & NEW_CONSTRAINTS
+        assert not has_outage_releases("pgjobs_job")
+        assert not has_outage_releases("pgjobs_job_archive")
+
+    def _back_to_latest(self) -> None:
+        query("DELETE FROM pgjobs_job WHERE queue !~ '^[A-Za-z0-9_.:-]{1,100}$' RETURNING id")
+        migrate()
+
+    def assert_migrated(self) -> None:
+        assert constraint_names() >= NEW_CONSTRAINTS
+        assert has_outage_releases("pgjobs_job")
+        assert has_outage_releases("pgjobs_job_archive")
+        validated = dict(
+            query(
+                "SELECT conname, convalidated FROM pg_constraint "
+                "WHERE conrelid = 'pgjobs_job'::regclass AND conname = ANY(%s)",
+                [list(NEW_CONSTRAINTS)],
+            )
+        )
+        assert validated == dict.fromkeys(NEW_CONSTRAINTS, True)
+        assert scalar("SELECT count(*) FROM pgjobs_job WHERE outage_releases <> 0") == 0
+
+    def test_each_kind_of_bad_row_is_repaired_and_keeps_what_it_held(self) -> None:
+        ids = {
+            "string": old_job(payload=json.dumps('{"a": 1}')),
+            "array": old_job(
+                status="running", payload="[1, 2]", attempts=1, locked_until="2030-01-01Z"
+            ),
+            "number": old_job(status="done", payload="7", attempts=1, finished_at=FINISHED),
+            "null": old_job(
+                status="failed",
+                payload="null",
+                attempts=5,
+                last_error="boom",
+                errors='[{"exception_class_path": "x.Boom", "traceback": "boom"}]',
+                finished_at=FINISHED,
+            ),
+            "zero_max": old_job(max_attempts=0),
+            "over_max": old_job(status="running", attempts=7, max_attempts=3),
+            "negative": old_job(attempts=-2),
+            "used_up": old_job(queue="used-up", attempts=3, max_attempts=3),
+            "string_over_max": old_job(payload='"x"', attempts=4, max_attempts=2),
+            "good": old_job(payload='{"a": 1}', attempts=1),
+        }
+        before = {name: columns_of(job_id) for name, job_id in ids.items()}
+
+        migrate()
+
+        self.assert_migrated()
+        after = {name: columns_of(job_id) for name, job_id in ids.items()}
+
+        def changes(name: str) -> dict[str, object]:
+            changed = {k: v for k, v in after[name].items() if before[name][k] != v}
+            changed.pop("version", None)
+            return changed
+
+        def failed(found: str, *, old_errors: list[object]) -> dict[str, object]:
+            return {
+                "status": "failed",
+                "last_error": INVALID.format(found),
+                "errors": [
+                    *old_errors,
+                    {
+                        "exception_class_path": "django_pgjobs.exceptions.InvalidPayload",
+                        "traceback": INVALID.format(found),
+                    },
+                ],
+            }
+
+        # Jobs still to run: failed with the reason, the payload kept, the lease cleared.
+        string = changes("string")
+        assert string.pop("finished_at") is not None
+        assert string == {
+            "payload": {"invalid_payload": '{"a": 1}'},
+            **failed("a JSON string", old_errors=[]),
+        }
+        array = changes("array")
+        assert array.pop("finished_at") is not None
+        assert array == {
+            "payload": {"invalid_payload": [1, 2]},
+            "locked_until": None,
+            **failed("a JSON array", old_errors=[]),
+        }
+        # Finished jobs: only the payload is wrapped; their outcome and history stay.
+        assert changes("number") == {"payload": {"invalid_payload": 7}}
+        assert changes("null") == {"payload": {"invalid_payload": None}}
+        # Attempts: max_attempts covers what was spent (and one more for a queued job).
+        assert changes("zero_max") == {"max_attempts": 1}
+        assert changes("over_max") == {"max_attempts": 7}
+        assert changes("negative") == {"attempts": 0}
+        assert changes("used_up") == {"max_attempts": 4}
+        string_over_max = changes("string_over_max")
+        assert string_over_max.pop("finished_at") is not None
+        assert string_over_max == {
+            "payload": {"invalid_payload": "x"},
+            "max_attempts": 4,
+            **failed("a JSON string", old_errors=[]),
+        }
+        # Only bad rows are written: the good one is the very same row version.
+        assert after["good"] == before["good"]
+
+        # The queued job that had no attempt left runs once more, as it would have before.
+        claimed = Job.objects.claim(queue="used-up")
+        assert [(job.id, job.attempts) for job in claimed] == [(ids["used_up"], 4)]
+
+    def test_a_bad_queue_name_stops_the_migration_before_anything_changes(self) -> None:
+        bad_payload = old_job(payload='"x"')
+        old_job(queue="bad queue")
+        old_job(queue="bad queue")
+        old_job(queue="")
+        long_name = old_job(queue="q" * 130)
+        before = columns_of(bad_payload)
+
+        with pytest.raises(IntegrityError) as stopped:
+            migrate()
+
+        message = str(stopped.value)
+        assert "0006 stopped before changing anything" in message, message
+        assert "jobs in 3 queue(s)" in message, message
+        assert "\n  '' (1 job)\n" in message, message
+        assert "\n  'bad queue' (2 jobs)\n" in message, message
+        assert f"\n  '{'q' * 120}'... (1 job)\n" in message, message
+        assert "UPDATE pgjobs_job SET queue = 'new-name' WHERE queue = 'old name';" in message
+        assert "\nthen run migrate again." in message, message
+        # Nothing changed: no constraint, no column, the bad payload as it was, not recorded.
+        assert not constraint_names() & NEW_CONSTRAINTS
+        assert not has_outage_releases("pgjobs_job")
+        assert not has_outage_releases("pgjobs_job_archive")
+        assert columns_of(bad_payload) == before
+        assert not scalar(
+            "SELECT count(*) FROM django_migrations WHERE app = 'django_pgjobs' "
+            "AND name LIKE '0006%%'"
+        )
+
+        # The user runs the suggested UPDATE, then migrate again: it goes through.
+        query(
+            "UPDATE pgjobs_job SET queue = 'default' "
+            "WHERE queue !~ '^[A-Za-z0-9_.:-]{1,100}$' RETURNING id"
+        )
+        migrate()
+
+        self.assert_migrated()
+        assert columns_of(bad_payload)["payload"] == {"invalid_payload": "x"}
+        assert columns_of(long_name)["queue"] == "default"
+
+    def test_a_run_that_stopped_half_way_can_be_run_again(self) -> None:
+        # What a run stopped after its ALTER (say, by lock_timeout at a VALIDATE) leaves:
+        # constraints NOT VALID, the column there, the bad rows not yet repaired.
+        bad = old_job(status="running", attempts=9, max_attempts=2)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "ALTER TABLE pgjobs_job "
+                "ADD CONSTRAINT pgjobs_job_attempts_check "
+                "CHECK (attempts >= 0 AND attempts <= max_attempts) NOT VALID, "
+                "ADD CONSTRAINT pgjobs_job_payload_check "
+                "CHECK (jsonb_typeof(payload) = 'object') NOT VALID, "
+                "ADD COLUMN outage_releases int NOT NULL DEFAULT 0"
+            )
+
+        migrate()
+
+        self.assert_migrated()
+        assert columns_of(bad)["max_attempts"] == 9
