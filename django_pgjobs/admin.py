@@ -30,6 +30,7 @@ from django.utils.safestring import SafeString
 
 from django_pgjobs import doctor, registry, sql, validation
 from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.lifecycle import last_line
 from django_pgjobs.models import FailedJob, Job, QueueDashboard, Status
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ class JobAdmin(_JobModelAdmin):
     def short_error(self, obj: Job) -> str:
         if not obj.last_error:
             return ""
-        line = obj.last_error.strip().splitlines()[-1]
+        line = last_line(obj.last_error)
         return line if len(line) <= ERROR_PREVIEW else line[: ERROR_PREVIEW - 1] + "…"
 
     @admin.display(description="payload")
@@ -258,8 +259,9 @@ class JobAdmin(_JobModelAdmin):
     def error_history(self, obj: Job) -> SafeString:
         lines = []
         for number, error in enumerate(obj.errors or [], start=1):
-            text = str(error.get("traceback", "")).strip().splitlines()
-            lines.append(f"{number}. {text[-1] if text else error.get('exception_class_path')}")
+            text = str(error.get("traceback", ""))
+            summary = last_line(text) if text.strip() else error.get("exception_class_path")
+            lines.append(f"{number}. {summary}")
         return _pre("\n".join(lines))
 
 
