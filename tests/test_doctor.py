@@ -4,35 +4,108 @@ Each problem is created the way production creates it (a session left idle in tr
 holding a claim while a worker runs 2,000 jobs, a CREATE INDEX CONCURRENTLY that failed, a
 worker that died holding leases, a queue nobody works, a table whose autovacuum setting was
 reset) and the doctor must name it on a ``PROBLEM:`` line and exit 1; a healthy database
-exits 0. Whatever a test changes in the schema it puts back in a ``finally``.
+exits 0.
+
+The doctor judges the server as well as the table, and some problems need settings a shared
+development server lacks, so this module runs on a throwaway PostgreSQL of its own (one for
+the module, the table emptied before each test): ``wal_level = logical`` and
+``max_prepared_transactions`` for the horizon holders, and ``autovacuum_naptime = 1h`` so that
+autovacuum, on as on any production server, does not clean up behind a test's back while it
+counts dead rows. Whatever a test changes on that server it puts back in a ``finally``.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql as pgsql
 
 from django_pgjobs import sql
-from django_pgjobs.models import Job
-from testproject.testjobs import noop
-from tests.helpers import make_job, make_jobs, query, raw_connect, scalar, wait_until
+from scripts.pgserver import ThrowawayPostgres
+from tests.helpers import NOOP, PLAIN_COLUMNS, TIME_COLUMNS, wait_until
 from tests.workers import Workers, ran
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
 SCALE_FACTOR = "autovacuum_vacuum_scale_factor=0.01"
+
+
+class Server:
+    """The module's throwaway PostgreSQL and its migrated ``doctor`` database."""
+
+    def __init__(self, pg: ThrowawayPostgres) -> None:
+        self.pg = pg
+        self.url = pg.url.rsplit("/", 1)[0] + "/doctor"
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.url, autocommit=True)
+
+    def query(self, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+        with self.connect() as conn:
+            cursor = conn.execute(statement, params)
+            return cursor.fetchall() if cursor.description else []
+
+    def scalar(self, statement: str, params: Any = None) -> Any:
+        rows = self.query(statement, params)
+        assert len(rows) == 1 and len(rows[0]) == 1, rows
+        return rows[0][0]
+
+    def reloptions(self) -> list[str]:
+        return list(
+            self.scalar("SELECT reloptions FROM pg_class WHERE oid = 'pgjobs_job'::regclass") or []
+        )
+
+    def insert(self, count: int = 1, **columns: Any) -> list[int]:
+        """``count`` jobs alike but for their payload (``{"n": i}``), in any state; a
+        ``timedelta`` is measured from the database's ``now()``. Returns their ids in order."""
+        unknown = set(columns) - set(TIME_COLUMNS) - set(PLAIN_COLUMNS)
+        assert not unknown, f"unknown columns {sorted(unknown)}"
+        names, slots, params = ["task"], ["%s"], [NOOP]
+        for name, value in columns.items():
+            names.append(name)
+            slots.append("now() + %s::interval" if isinstance(value, timedelta) else "%s")
+            params.append(value)
+        statement = pgsql.SQL(
+            "INSERT INTO pgjobs_job ({names}, payload) SELECT {slots}, jsonb_build_object('n', n) "
+            "FROM generate_series(1, %s) AS n ORDER BY n RETURNING id"
+        ).format(
+            names=pgsql.SQL(", ").join(map(pgsql.Identifier, names)),
+            slots=pgsql.SQL(", ").join(map(pgsql.SQL, slots)),
+        )
+        with self.connect() as conn:
+            rows = conn.execute(statement, [*params, count]).fetchall()
+        return sorted(row[0] for row in rows)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with ThrowawayPostgres() as pg:
+        with psycopg.connect(pg.url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET wal_level = logical")
+            conn.execute("ALTER SYSTEM SET max_prepared_transactions = 10")
+            conn.execute("ALTER SYSTEM SET autovacuum_naptime = '1h'")
+            conn.execute("CREATE DATABASE doctor")
+        pg.restart()
+        started = Server(pg)
+        with Workers(tmp_path_factory.mktemp("doctor-migrate")) as setup:
+            setup.run("migrate", "--verbosity", "0", database_url=started.url, timeout=180)
+        yield started
+
+
+@pytest.fixture(autouse=True)
+def _empty_table(server: Server) -> None:
+    server.query("TRUNCATE pgjobs_job")
 
 
 class Diagnosis:
     """One run of ``jobsdoctor``: its exit status, its output and its PROBLEM lines."""
 
-    def __init__(self, workers: Workers, *args: str) -> None:
-        process = workers.command("jobsdoctor", *args)
+    def __init__(self, server: Server, workers: Workers, *args: str) -> None:
+        process = workers.command("jobsdoctor", *args, database_url=server.url)
         self.status = process.wait(60)
         self.output = process.output()
         self.log = process.log()
@@ -52,40 +125,50 @@ class Diagnosis:
         return [problem for problem in self.problems if text in problem]
 
 
-def healthy(workers: Workers, *args: str) -> Diagnosis:
-    report = Diagnosis(workers, *args)
-    assert report.status == 0, report
-    assert not report.problems, report
-    assert report.output.splitlines()[-1] == "Healthy.", report
-    return report
+@pytest.fixture
+def doctor(server: Server, workers: Workers) -> Doctor:
+    return Doctor(server, workers)
 
 
-def seconds_idle(pid: int) -> float:
+class Doctor:
+    """Runs ``jobsdoctor`` against the module's server."""
+
+    def __init__(self, server: Server, workers: Workers) -> None:
+        self.server = server
+        self.workers = workers
+
+    def __call__(self, *args: str) -> Diagnosis:
+        return Diagnosis(self.server, self.workers, *args)
+
+    def healthy(self, *args: str) -> Diagnosis:
+        report = self(*args)
+        assert report.status == 0, report
+        assert not report.problems, report
+        assert report.output.splitlines()[-1] == "Healthy.", report
+        return report
+
+
+def seconds_idle(server: Server, pid: int) -> float:
     return float(
-        scalar(
-            "SELECT coalesce(extract(epoch FROM now() - state_change), 0) FROM pg_stat_activity "
-            "WHERE pid = %s AND state = 'idle in transaction'",
+        server.scalar(
+            "SELECT coalesce(max(extract(epoch FROM now() - state_change)), 0) "
+            "FROM pg_stat_activity WHERE pid = %s AND state = 'idle in transaction'",
             [pid],
         )
-        or 0.0
     )
 
 
-def reloptions() -> list[str]:
-    return list(scalar("SELECT reloptions FROM pg_class WHERE oid = 'pgjobs_job'::regclass") or [])
+def test_a_healthy_queue_exits_0_in_text_and_json(server: Server, doctor: Doctor) -> None:
+    server.insert(3)
+    server.insert(2, status="running", attempts=1, locked_until=timedelta(minutes=5))
+    server.insert(4, status="done", attempts=1, finished_at=timedelta(minutes=-1))
+    server.insert(status="failed", attempts=5, finished_at=timedelta(hours=-3), last_error="old")
 
-
-def test_a_healthy_queue_exits_0_in_text_and_json(workers: Workers) -> None:
-    make_jobs(3)
-    make_jobs(2, status="running", attempts=1, locked_until=timedelta(minutes=5))
-    make_jobs(4, status="done", attempts=1, finished_at=timedelta(minutes=-1))
-    make_job(status="failed", attempts=5, finished_at=timedelta(hours=-3), last_error="old")
-
-    text = healthy(workers)
+    text = doctor.healthy()
     assert "Invalid indexes: none" in text.output
     assert "Sessions idle in transaction: 0" in text.output
 
-    report = Diagnosis(workers, "--json").json()
+    report = doctor("--json").json()
     assert (report["healthy"], report["problems"]) == (True, [])
     assert report["invalid_indexes"] == []
     assert report["idle_in_transaction"] == []
@@ -93,11 +176,12 @@ def test_a_healthy_queue_exits_0_in_text_and_json(workers: Workers) -> None:
     assert report["table"]["reloptions"] == [SCALE_FACTOR]
 
 
+@pytest.mark.slow
 def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits(
-    workers: Workers,
+    server: Server, workers: Workers, doctor: Doctor
 ) -> None:
-    Job.objects.enqueue_many(noop, [{"n": n} for n in range(2001)])
-    with raw_connect() as holder:
+    server.insert(2001)
+    with server.connect() as holder:
         pid = holder.info.backend_pid
         holder.execute("BEGIN")
         held = holder.execute(
@@ -114,17 +198,17 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
         try:
             # The claim's lock does not stop a worker (SKIP LOCKED), so the harm is silent:
             # 2,000 jobs run while this transaction holds back VACUUM.
-            worker = workers.burst("--concurrency", "4", timeout=120)
+            worker = workers.burst("--concurrency", "4", database_url=server.url, timeout=120)
             assert ran(worker) == 2000
             # The default --idle-threshold is 5 s.
             wait_until(
-                lambda: seconds_idle(pid) > 5.5,
+                lambda: seconds_idle(server, pid) > 5.5,
                 timeout=15,
                 interval=0.2,
                 message="the holder to be idle in transaction for 5 s",
             )
 
-            report = Diagnosis(workers, "--transaction-threshold", "1")
+            report = doctor("--transaction-threshold", "1")
 
             assert report.status == 1, report
             idle = report.about(f"session pid {pid} ")
@@ -140,7 +224,7 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
             # Only these two: the 2,000 jobs left no other trace the doctor objects to.
             assert len(report.problems) == 2, report
 
-            as_json = Diagnosis(workers, "--json", "--transaction-threshold", "1").json()
+            as_json = doctor("--json", "--transaction-threshold", "1").json()
             assert as_json["healthy"] is False
             assert [s["pid"] for s in as_json["idle_in_transaction"]] == [pid]
             assert as_json["oldest_transaction"]["pid"] == pid
@@ -153,22 +237,22 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
             assert as_json["problems"][1].startswith(f"transaction of pid {pid} ")
 
             # Below the default --transaction-threshold (300 s) only the idle session counts.
-            assert len(Diagnosis(workers).problems) == 1
+            assert len(doctor().problems) == 1
         finally:
             holder.execute("COMMIT")
 
-        after = healthy(workers, "--idle-threshold", "0", "--transaction-threshold", "1")
-        assert str(pid) not in after.output
+    after = doctor.healthy("--idle-threshold", "0", "--transaction-threshold", "1")
+    assert str(pid) not in after.output
     # The held job is still running under its 5-minute lease: nothing for the doctor.
-    assert scalar("SELECT count(*) FROM pgjobs_job WHERE status = 'running'") == 1
+    assert server.scalar("SELECT count(*) FROM pgjobs_job WHERE status = 'running'") == 1
 
 
 def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
-    workers: Workers,
+    server: Server, doctor: Doctor
 ) -> None:
-    make_job(payload={"k": "same"})
-    make_job(payload={"k": "same"})
-    with raw_connect() as conn:  # autocommit: CONCURRENTLY cannot run in a transaction
+    server.query("""INSERT INTO pgjobs_job (task, payload) VALUES (%s, '{"k": "same"}')""", [NOOP])
+    server.query("""INSERT INTO pgjobs_job (task, payload) VALUES (%s, '{"k": "same"}')""", [NOOP])
+    with server.connect() as conn:  # autocommit: CONCURRENTLY cannot run in a transaction
         try:
             with pytest.raises(psycopg.errors.UniqueViolation):
                 conn.execute(
@@ -177,14 +261,14 @@ def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
                 )
             # The failed build left the index behind, invalid.
             assert (
-                scalar(
+                server.scalar(
                     "SELECT indisvalid FROM pg_index "
                     "WHERE indexrelid = 'pgjobs_job_dupe_idx'::regclass"
                 )
                 is False
             )
 
-            report = Diagnosis(workers)
+            report = doctor()
 
             assert report.status == 1, report
             assert report.problems == [
@@ -193,32 +277,32 @@ def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
                 "pgjobs_job_dupe_idx; then build it again."
             ], report
             assert "Invalid indexes: pgjobs_job_dupe_idx" in report.output
-            assert Diagnosis(workers, "--json").json()["invalid_indexes"] == ["pgjobs_job_dupe_idx"]
+            assert doctor("--json").json()["invalid_indexes"] == ["pgjobs_job_dupe_idx"]
         finally:
             conn.execute("DROP INDEX CONCURRENTLY IF EXISTS pgjobs_job_dupe_idx")
-    healthy(workers)
+    doctor.healthy()
 
 
 def test_expired_leases_lag_and_a_reset_autovacuum_setting_in_text_and_json(
-    workers: Workers,
+    server: Server, doctor: Doctor
 ) -> None:
     expired = [
-        make_job(status="running", attempts=1, locked_until=timedelta(minutes=-3)),
-        make_job(status="running", attempts=2, locked_until=timedelta(minutes=-1)),
+        *server.insert(status="running", attempts=1, locked_until=timedelta(minutes=-3)),
+        *server.insert(status="running", attempts=2, locked_until=timedelta(minutes=-1)),
     ]
-    leased = make_job(status="running", attempts=1, locked_until=timedelta(minutes=5))
-    make_job(queue="emails", run_at=timedelta(minutes=-10))
-    make_job(queue="emails", run_at=timedelta(minutes=-1))
-    make_job(queue="reports", run_at=timedelta(seconds=-30))
-    assert reloptions() == [SCALE_FACTOR]
-    with raw_connect() as conn:
+    (leased,) = server.insert(status="running", attempts=1, locked_until=timedelta(minutes=5))
+    server.insert(queue="emails", run_at=timedelta(minutes=-10))
+    server.insert(queue="emails", run_at=timedelta(minutes=-1))
+    server.insert(queue="reports", run_at=timedelta(seconds=-30))
+    assert server.reloptions() == [SCALE_FACTOR]
+    with server.connect() as conn:
         conn.execute("ALTER TABLE pgjobs_job RESET (autovacuum_vacuum_scale_factor)")
         try:
-            text = Diagnosis(workers, "--lag-threshold", "120")
-            as_json = Diagnosis(workers, "--json", "--lag-threshold", "120").json()
+            text = doctor("--lag-threshold", "120")
+            as_json = doctor("--json", "--lag-threshold", "120").json()
         finally:
             conn.execute("ALTER TABLE pgjobs_job SET (autovacuum_vacuum_scale_factor = 0.01)")
-    assert reloptions() == [SCALE_FACTOR]
+    assert server.reloptions() == [SCALE_FACTOR]
 
     assert text.status == 1, text
     assert len(text.problems) == 3, text
@@ -256,52 +340,51 @@ def test_expired_leases_lag_and_a_reset_autovacuum_setting_in_text_and_json(
     assert 30 <= queues["reports"]["lag_seconds"] < 90
 
     # Each problem goes away with its cause.
-    query(
+    server.query(
         "UPDATE pgjobs_job SET status = 'done', finished_at = now(), locked_until = NULL "
-        "WHERE status = 'running' OR queue = 'emails' RETURNING id"
+        "WHERE status = 'running' OR queue = 'emails'"
     )
-    healthy(workers, "--lag-threshold", "120")
+    doctor.healthy("--lag-threshold", "120")
 
 
 def test_the_report_shows_queue_depth_and_lag_dead_rows_autovacuum_and_reloptions(
-    workers: Workers,
+    server: Server, workers: Workers, doctor: Doctor
 ) -> None:
-    make_job(queue="emails", run_at=timedelta(minutes=-2))
-    make_jobs(2, queue="emails", run_at=timedelta(seconds=-5))
-    make_jobs(3, queue="emails", run_at=timedelta(hours=1))
-    make_job(queue="emails", status="running", attempts=1, locked_until=timedelta(minutes=5))
-    make_job(
-        queue="emails",
-        status="failed",
-        attempts=5,
-        finished_at=timedelta(minutes=-5),
-        last_error="Traceback ...\nRuntimeError: smtp down",
+    server.insert(queue="emails", run_at=timedelta(minutes=-2))
+    server.insert(2, queue="emails", run_at=timedelta(seconds=-5))
+    server.insert(3, queue="emails", run_at=timedelta(hours=1))
+    server.insert(queue="emails", status="running", attempts=1, locked_until=timedelta(minutes=5))
+    server.query(
+        "INSERT INTO pgjobs_job (task, queue, status, attempts, finished_at, last_error) "
+        "VALUES (%s, 'emails', 'failed', 5, now() - interval '5 minutes', %s)",
+        [NOOP, "Traceback ...\nRuntimeError: smtp down"],
     )
-    make_jobs(4, queue="emails", status="done", attempts=1, finished_at=timedelta(minutes=-5))
-    make_jobs(12_000, status="done", attempts=1, finished_at=timedelta(days=-30))
+    server.insert(4, queue="emails", status="done", attempts=1, finished_at=timedelta(minutes=-5))
+    server.insert(12_000, status="done", attempts=1, finished_at=timedelta(days=-30))
 
-    with raw_connect() as conn:
+    with server.connect() as conn:
         # Autovacuum must not clean up behind the test's back while it counts dead rows.
         conn.execute("ALTER TABLE pgjobs_job SET (autovacuum_enabled = false)")
         try:
-            assert Job.objects.prune() == 12_000
+            pruned = workers.run("prunejobs", "--older-than", "7d", database_url=server.url)
+            assert "12000" in pruned.output(), pruned.tail()
             stats = (
                 "SELECT n_dead_tup, last_autovacuum FROM pg_stat_user_tables "
                 "WHERE relid = 'pgjobs_job'::regclass"
             )
             wait_until(
-                lambda: query(stats)[0][0] >= 12_000,
+                lambda: server.query(stats)[0][0] >= 12_000,
                 timeout=20,
                 interval=0.2,
                 message="the statistics to count the pruned rows as dead",
             )
-            dead, last_autovacuum = query(stats)[0]
+            dead, last_autovacuum = server.query(stats)[0]
 
-            text = Diagnosis(workers)
-            as_json = Diagnosis(workers, "--json").json()
+            text = doctor()
+            as_json = doctor("--json").json()
         finally:
             conn.execute("ALTER TABLE pgjobs_job RESET (autovacuum_enabled)")
-    assert reloptions() == [SCALE_FACTOR]
+    assert server.reloptions() == [SCALE_FACTOR]
 
     queue_line = next(line for line in text.output.splitlines() if line.startswith("  emails:"))
     found = re.fullmatch(
