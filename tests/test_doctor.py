@@ -1,10 +1,13 @@
 """``manage.py jobsdoctor`` as a real process, against problems made for real.
 
 Each problem is created the way production creates it (a session left idle in transaction
-holding a claim while a worker runs 2,000 jobs, a CREATE INDEX CONCURRENTLY that failed, a
-worker that died holding leases, a queue nobody works, a table whose autovacuum setting was
-reset) and the doctor must name it on a ``PROBLEM:`` line and exit 1; a healthy database,
-however many dead rows a burst of work has just left, exits 0.
+holding a claim while a worker runs 2,000 jobs, a prepared transaction nobody finished, a hot
+standby whose long query holds its replication slot's xmin, a lock that keeps autovacuum out
+round after round, autovacuum settings turned off, a CREATE INDEX CONCURRENTLY that failed, a
+worker that died holding leases, a queue nobody works) and the doctor must name it on a
+``PROBLEM:`` line and exit 1; a healthy database, however many dead rows a burst of work has
+just left, exits 0. Where the doctor says VACUUM cannot (or can) remove the dead rows, a
+VACUUM checks it.
 
 The doctor judges the server as well as the table, and some problems need settings a shared
 development server lacks, so this module runs on a throwaway PostgreSQL of its own (one for
