@@ -3,12 +3,22 @@
 ``overview()`` is the live picture: per-queue depth and lag, throughput, recent failures.
 Every query reads a partial index (ready, lease or failed rows) or a one-hour range of the
 finished index, so it stays cheap with millions of done rows. ``diagnose()`` adds what
-bites later (seed 003): dead rows and autovacuum, sessions idle in transaction and old
-transactions that hold VACUUM back, invalid indexes, expired leases.
+bites later: expired leases, sessions idle in transaction, invalid indexes, and vacuum.
+
+Vacuum is judged by what stops it, not by the count of dead rows: a queue table always has
+many between two autovacuum runs (each claim and each outcome leaves one). What matters is
+dead rows autovacuum cannot remove (a session, a prepared transaction or a replication slot
+holding the xmin horizon), autovacuum not coming although the table is past its threshold,
+and settings that turn it off. The dead-to-live ratio is shown, never judged.
+
+``diagnose()`` gathers the facts into a ``Report`` and then runs each function of
+``CHECKS`` on it; each returns its problems as sentences that say what to do. A new check is
+one more function in that list.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -99,13 +109,51 @@ def overview(alias: str | None = None, *, minutes: int = 60, failures: int = 10)
 
 @dataclass
 class Thresholds:
-    """When the doctor calls something a problem (seconds, or a ratio for dead rows)."""
+    """When the doctor calls something a problem.
+
+    ``idle``, ``transaction`` and ``lag`` are seconds. ``slot_age`` is in transactions: a
+    replication slot records no time, only the oldest transaction it still needs.
+    ``naptimes`` is how many autovacuum rounds (``autovacuum_naptime`` each) may pass
+    without a vacuum of a table past its threshold before that is a problem.
+    """
 
     idle: float = 5.0
     transaction: float = 300.0
     lag: float = 300.0
-    dead_ratio: float = 0.2
-    dead_rows: int = 10_000
+    slot_age: int = 100_000
+    naptimes: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("idle", "transaction", "lag", "slot_age", "naptimes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"Thresholds.{name} must be a number, 0 or more (got {value!r}).")
+
+
+@dataclass
+class Holder:
+    """Something that holds back the xmin horizon: VACUUM keeps every row version that died
+    after it began. ``age`` is in seconds where PostgreSQL records a start (sessions,
+    prepared transactions), ``xmin_age`` in transactions; ``holds_table`` is False for a
+    logical slot, whose ``catalog_xmin`` holds back only the system catalogs."""
+
+    kind: str
+    name: str
+    detail: str
+    age: float | None
+    xmin_age: int | None
+    fix: str
+    query: str | None = None
+    holds_table: bool = True
+
+    def held_for(self) -> str:
+        ages = [f"{self.age:.0f} s"] if self.age is not None else []
+        if self.xmin_age is not None:
+            ages.append(f"{self.xmin_age} transactions")
+        return ", ".join(ages) or "an unknown time"
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name} ({self.detail})"
 
 
 @dataclass
@@ -117,14 +165,35 @@ class Report:
     failures_last_hour: int
     recent_failures: list[dict[str, Any]]
     table: dict[str, Any]
+    settings: dict[str, Any]
     idle_in_transaction: list[dict[str, Any]]
     oldest_transaction: dict[str, Any] | None
+    horizon: list[Holder]
+    vacuum_locks: list[dict[str, Any]]
     invalid_indexes: list[str]
     problems: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
         return not self.problems
+
+    @property
+    def dead_rows(self) -> int:
+        return int(self.table.get("n_dead_tup") or 0)
+
+    @property
+    def past_vacuum_threshold(self) -> bool:
+        """Whether autovacuum would vacuum the table now: more dead rows than its threshold."""
+        return self.dead_rows > int(self.table["vacuum_threshold"])
+
+    @property
+    def autovacuum_on(self) -> bool:
+        """Whether autovacuum vacuums this table at all (server, statistics and table)."""
+        return bool(
+            self.settings["autovacuum"]
+            and self.settings["track_counts"]
+            and self.table.get("autovacuum_enabled") is not False
+        )
 
 
 def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> Report:
@@ -135,58 +204,217 @@ def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> 
     expired = sql.records(connection, sql.EXPIRED_LEASES, {"limit": 20})
     failures = sql.run(connection, sql.FAILURES_SINCE, {"window": timedelta(hours=1)})[0][0]
     (table,) = sql.records(connection, sql.TABLE_HEALTH, {})
+    table["vacuum_threshold"] = vacuum_threshold(table)
+    live_rows, dead_rows = table["n_live_tup"] or 0, table["n_dead_tup"] or 0
+    table["dead_per_live_row"] = round(dead_rows / max(live_rows, 1), 2)
+    (settings,) = sql.records(connection, sql.VACUUM_SETTINGS, {})
     idle = sql.records(
         connection, sql.IDLE_IN_TRANSACTION, {"threshold": timedelta(seconds=limits.idle)}
     )
     oldest = next(iter(sql.records(connection, sql.OLDEST_TRANSACTION, {})), None)
-    invalid = [row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})]
+    horizon = _horizon(
+        oldest,
+        sql.records(connection, sql.PREPARED_TRANSACTIONS, {}),
+        sql.records(connection, sql.REPLICATION_SLOTS, {}),
+    )
     report = Report(
         queues=live.queues,
         expired_leases=expired,
         failures_last_hour=int(failures),
         recent_failures=live.failures,
         table=table,
+        settings=settings,
         idle_in_transaction=idle,
         oldest_transaction=oldest,
-        invalid_indexes=invalid,
+        horizon=horizon,
+        vacuum_locks=sql.records(connection, sql.VACUUM_LOCKS, {}),
+        invalid_indexes=[row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})],
     )
-    report.problems = _problems(report, limits)
+    report.problems = [problem for check in CHECKS for problem in check(report, limits)]
     return report
 
 
-def _problems(report: Report, limits: Thresholds) -> list[str]:
-    problems = []
-    for queue in report.queues:
-        if queue.lag_seconds > limits.lag:
-            problems.append(
-                f"queue {queue.queue}: the oldest ready job has waited {queue.lag_seconds:.0f} s "
-                f"({queue.ready} ready): workers are not keeping up or not running."
+def vacuum_threshold(table: dict[str, Any]) -> int:
+    """The number of dead rows past which autovacuum vacuums the table, computed as
+    PostgreSQL does (a table never counted has ``reltuples`` -1, taken as 0)."""
+    threshold = table["vacuum_base_threshold"] + table["vacuum_scale_factor"] * max(
+        table["reltuples"], 0.0
+    )
+    cap = table["vacuum_max_threshold"]
+    if cap is not None and cap >= 0:
+        threshold = min(threshold, cap)
+    return int(threshold)
+
+
+def _horizon(
+    oldest: dict[str, Any] | None,
+    prepared: list[dict[str, Any]],
+    slots: list[dict[str, Any]],
+) -> list[Holder]:
+    holders = []
+    if oldest:
+        holders.append(
+            Holder(
+                kind="session",
+                name=f"pid {oldest['pid']}",
+                detail=f"{oldest['state']}; {_who(oldest)}",
+                age=oldest["age"],
+                xmin_age=oldest["xmin_age"],
+                fix=(
+                    "commit it or end it where it started, or, if it is abandoned, "
+                    f"SELECT pg_terminate_backend({oldest['pid']});"
+                ),
+                query=one_line(oldest["query"]),
             )
+        )
+    for xact in prepared:
+        gid = _literal(xact["gid"])
+        holders.append(
+            Holder(
+                kind="prepared transaction",
+                name=gid,
+                detail=f"owner {xact['owner']}, prepared at {xact['prepared']:%Y-%m-%d %H:%M:%S%z}",
+                age=xact["age"],
+                xmin_age=xact["xmin_age"],
+                fix=(
+                    "it outlives the session that prepared it, so only its transaction manager "
+                    f"or you can end it: COMMIT PREPARED {gid}; or ROLLBACK PREPARED {gid};"
+                ),
+            )
+        )
+    for slot in slots:
+        name = _literal(slot["slot_name"])
+        if slot["active"]:
+            client = slot["application_name"] or slot["client_addr"] or "unknown client"
+            state = f"active: walsender pid {slot['active_pid']} for {client}"
+        else:
+            state = "inactive"
+        holds_table = slot["xmin_age"] is not None
+        if holds_table and slot["active"]:
+            fix = (
+                "its standby sends the xmin of its oldest query (hot_standby_feedback): end the "
+                "long queries there, or turn hot_standby_feedback off on the standby."
+            )
+        elif holds_table:
+            fix = (
+                "no standby is connected, so nothing will move it: if the standby is gone for "
+                f"good, SELECT pg_drop_replication_slot({name});"
+            )
+        else:
+            fix = "it holds back only the system catalogs' vacuum, not pgjobs_job's."
+        holders.append(
+            Holder(
+                kind=f"{slot['slot_type']} replication slot",
+                name=name,
+                detail=state if holds_table else f"{state}; catalog_xmin only",
+                age=None,
+                xmin_age=slot["xmin_age"] if holds_table else slot["catalog_xmin_age"],
+                fix=fix,
+                holds_table=holds_table,
+            )
+        )
+    return holders
+
+
+def _who(session: dict[str, Any]) -> str:
+    return f"{session['usename']}, {session['application_name'] or 'no application_name'}"
+
+
+def _literal(text: str) -> str:
+    """``text`` as an SQL string literal, for a statement the reader can paste."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+# -- the checks: each reads the report and returns its problems, most urgent first.
+
+Check = Callable[[Report, Thresholds], list[str]]
+
+
+def check_queue_lag(report: Report, limits: Thresholds) -> list[str]:
+    return [
+        f"queue {queue.queue}: the oldest ready job has waited {queue.lag_seconds:.0f} s "
+        f"({queue.ready} ready): workers are not keeping up or not running."
+        for queue in report.queues
+        if queue.lag_seconds > limits.lag
+    ]
+
+
+def check_expired_leases(report: Report, limits: Thresholds) -> list[str]:
     expired = sum(queue.expired for queue in report.queues)
-    if expired:
-        ids = ", ".join(str(row["id"]) for row in report.expired_leases[:5])
-        problems.append(
-            f"{expired} running job(s) have expired leases (e.g. {ids}): their worker died or "
-            "hangs; run `manage.py reapjobs` or check that workers reap (--reap-interval)."
-        )
+    if not expired:
+        return []
+    ids = ", ".join(str(row["id"]) for row in report.expired_leases[:5])
+    return [
+        f"{expired} running job(s) have expired leases (e.g. {ids}): their worker died or "
+        "hangs; run `manage.py reapjobs` or check that workers reap (--reap-interval)."
+    ]
+
+
+def check_idle_in_transaction(report: Report, limits: Thresholds) -> list[str]:
+    problems = []
     for session in report.idle_in_transaction:
-        problems.append(
-            f"session pid {session['pid']} ({session['usename']}, "
-            f"{session['application_name'] or 'no application_name'}) has been idle in "
-            f"transaction for {session['idle_for']:.0f} s: it holds back VACUUM for every "
-            f"table in this database; last query: {one_line(session['query'])}"
+        harm = (
+            "it holds back VACUUM for every table in this database"
+            if session["holds_horizon"]
+            else "it holds its locks and a connection"
         )
-    oldest = report.oldest_transaction
-    if oldest and oldest["age"] > limits.transaction:
         problems.append(
-            f"transaction of pid {oldest['pid']} has been open for {oldest['age']:.0f} s "
-            f"({oldest['state']}): VACUUM cannot remove rows that died since it began; "
-            f"query: {one_line(oldest['query'])}"
+            f"session pid {session['pid']} ({_who(session)}) has been idle in transaction for "
+            f"{session['idle_for']:.0f} s: {harm}; last query: {one_line(session['query'])}"
         )
-    for index in report.invalid_indexes:
+    return problems
+
+
+def check_horizon(report: Report, limits: Thresholds) -> list[str]:
+    """Each holder old enough to matter, once the table has more dead rows than autovacuum
+    lets pass: below that, vacuum has nothing to do yet and the holder costs nothing here."""
+    if not report.past_vacuum_threshold:
+        return []
+    problems = []
+    for holder in report.horizon:
+        if not holder.holds_table:
+            continue
+        if holder.age is not None:
+            old = holder.age > limits.transaction
+        else:
+            old = (holder.xmin_age or 0) > limits.slot_age
+        if old:
+            query = f"last query: {holder.query}; " if holder.query else ""
+            problems.append(
+                f"{holder} has held back the xmin horizon for {holder.held_for()}: VACUUM "
+                f"cannot remove the rows of pgjobs_job that died since ({report.dead_rows} "
+                f"dead, autovacuum's threshold is {report.table['vacuum_threshold']}); "
+                f"{query}{holder.fix}"
+            )
+    return problems
+
+
+def check_invalid_indexes(report: Report, limits: Thresholds) -> list[str]:
+    return [
+        f"index {index} is INVALID (a failed CREATE INDEX CONCURRENTLY): it slows every "
+        f"write and is never used; DROP INDEX CONCURRENTLY {index}; then build it again."
+        for index in report.invalid_indexes
+    ]
+
+
+def check_autovacuum_settings(report: Report, limits: Thresholds) -> list[str]:
+    problems = []
+    if not report.settings["autovacuum"]:
         problems.append(
-            f"index {index} is INVALID (a failed CREATE INDEX CONCURRENTLY): it slows every "
-            f"write and is never used; DROP INDEX CONCURRENTLY {index}; then build it again."
+            "autovacuum is off on this server: nothing removes the dead rows every claim and "
+            "every outcome leave in pgjobs_job; set autovacuum = on in postgresql.conf (the "
+            "default) and reload."
+        )
+    if not report.settings["track_counts"]:
+        problems.append(
+            "track_counts is off: PostgreSQL does not count dead rows, so autovacuum never "
+            "sees that pgjobs_job needs a vacuum (and this report's row counts stand still); "
+            "set track_counts = on (the default) for the server and this database."
+        )
+    if report.table.get("autovacuum_enabled") is False:
+        problems.append(
+            "pgjobs_job has autovacuum_enabled = false: autovacuum never vacuums it; "
+            "ALTER TABLE pgjobs_job RESET (autovacuum_enabled);"
         )
     options = report.table.get("reloptions") or []
     if not any(option.startswith("autovacuum_vacuum_scale_factor=") for option in options):
@@ -194,13 +422,54 @@ def _problems(report: Report, limits: Thresholds) -> list[str]:
             "pgjobs_job has no autovacuum_vacuum_scale_factor of its own (the migration sets "
             "0.01): ALTER TABLE pgjobs_job SET (autovacuum_vacuum_scale_factor = 0.01);"
         )
-    live, dead = report.table.get("n_live_tup") or 0, report.table.get("n_dead_tup") or 0
-    if dead > limits.dead_rows and dead > limits.dead_ratio * max(live, 1):
-        problems.append(
-            f"pgjobs_job has {dead} dead rows for {live} live ones: vacuum is not keeping up "
-            "(an old transaction holding it back, or autovacuum too slow for this table)."
-        )
     return problems
+
+
+def check_autovacuum_behind(report: Report, limits: Thresholds) -> list[str]:
+    """Autovacuum should come within a round or two of the table passing its threshold; many
+    rounds without it mean it cannot (a lock keeps it out) or does not get to it (its workers
+    busy elsewhere). Skipped while a vacuum runs, and when autovacuum is off (reported as a
+    setting)."""
+    table, naptime = report.table, report.settings["autovacuum_naptime"]
+    if (
+        not report.autovacuum_on
+        or not report.past_vacuum_threshold
+        or table["vacuum_running"]
+        or table["unvacuumed_for"] <= limits.naptimes * naptime
+    ):
+        return []
+    last = table["last_autovacuum"] or table["last_vacuum"]
+    since = f"since {last:%Y-%m-%d %H:%M:%S%z}" if last else "since the server started"
+    if report.vacuum_locks:
+        cause = "; ".join(
+            f"pid {lock['pid']} ({_who(lock)}, {lock['state']}) has held {lock['mode']} on it "
+            f"for {lock['held_for']:.0f} s, which autovacuum cannot get past; query: "
+            f"{one_line(lock['query'])}"
+            for lock in report.vacuum_locks
+        )
+    else:
+        cause = (
+            "its workers may all be busy on other tables (autovacuum_max_workers) or too slow "
+            "(autovacuum_vacuum_cost_limit); log_autovacuum_min_duration = 0 makes the "
+            "server log each of their runs"
+        )
+    return [
+        f"autovacuum has not vacuumed pgjobs_job {since} ({table['unvacuumed_for']:.0f} s, "
+        f"more than {limits.naptimes:g} rounds of autovacuum_naptime = {naptime:g} s) although "
+        f"its {report.dead_rows} dead rows are past its threshold of "
+        f"{table['vacuum_threshold']}: {cause}."
+    ]
+
+
+CHECKS: list[Check] = [
+    check_queue_lag,
+    check_expired_leases,
+    check_idle_in_transaction,
+    check_horizon,
+    check_invalid_indexes,
+    check_autovacuum_settings,
+    check_autovacuum_behind,
+]
 
 
 def one_line(text: str | None) -> str:

@@ -433,7 +433,8 @@ PROBE: LiteralString = "SELECT 1"
 
 
 # -- the doctor's reads of PostgreSQL's own statistics and catalogs. Ages are float8 seconds:
-# extract() gives numeric, which `jobsdoctor --json` would print as a string.
+# extract() gives numeric, which `jobsdoctor --json` would print as a string. Ages in
+# transactions (`age(xid)`) are integers.
 
 EXPIRED_LEASES: LiteralString = """
 SELECT id, task, queue, attempts,
@@ -449,20 +450,60 @@ SELECT count(*) FROM pgjobs_job
 WHERE status = 'failed' AND finished_at >= now() - %(window)s::interval
 """
 
+# The table's vacuum statistics and the numbers autovacuum decides with: it vacuums once
+# n_dead_tup exceeds threshold + scale_factor * reltuples (reltuples < 0, never counted, as 0;
+# PostgreSQL 18 caps that at max_threshold), each taken from the table's own storage options
+# when set there, else from the server's settings. `unvacuumed_for` counts from the last
+# vacuum of either kind, or from the server's start for a table never vacuumed: autovacuum
+# cannot have been failing before the server ran.
 TABLE_HEALTH: LiteralString = """
 SELECT s.n_live_tup, s.n_dead_tup, s.last_autovacuum, s.last_vacuum, s.autovacuum_count,
-       c.reloptions
+       c.reloptions, c.reltuples::float8 AS reltuples,
+       o.enabled AS autovacuum_enabled,
+       coalesce(o.threshold, current_setting('autovacuum_vacuum_threshold')::float8)
+           AS vacuum_base_threshold,
+       coalesce(o.scale_factor, current_setting('autovacuum_vacuum_scale_factor')::float8)
+           AS vacuum_scale_factor,
+       coalesce(o.max_threshold,
+                current_setting('autovacuum_vacuum_max_threshold', true)::float8)
+           AS vacuum_max_threshold,
+       extract(epoch FROM now() - coalesce(greatest(s.last_autovacuum, s.last_vacuum),
+                                           pg_postmaster_start_time()))::float8
+           AS unvacuumed_for,
+       EXISTS (SELECT FROM pg_stat_progress_vacuum p WHERE p.relid = c.oid) AS vacuum_running
 FROM pg_class c
 LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+CROSS JOIN LATERAL (
+    SELECT bool_and(option_value::bool) FILTER (WHERE option_name = 'autovacuum_enabled')
+               AS enabled,
+           max(option_value::float8) FILTER (WHERE option_name = 'autovacuum_vacuum_threshold')
+               AS threshold,
+           max(option_value::float8)
+               FILTER (WHERE option_name = 'autovacuum_vacuum_scale_factor') AS scale_factor,
+           max(option_value::float8)
+               FILTER (WHERE option_name = 'autovacuum_vacuum_max_threshold') AS max_threshold
+    FROM pg_options_to_table(c.reloptions)
+) o
 WHERE c.oid = 'pgjobs_job'::regclass
 """
 
+# The server settings autovacuum depends on, as this session sees them (track_counts can be
+# set per database: sessions that do not count leave autovacuum nothing to act on).
+VACUUM_SETTINGS: LiteralString = """
+SELECT current_setting('autovacuum')::bool AS autovacuum,
+       current_setting('track_counts')::bool AS track_counts,
+       extract(epoch FROM current_setting('autovacuum_naptime')::interval)::float8
+           AS autovacuum_naptime
+"""
+
 # Sessions of this database (vacuum of an ordinary table only waits for those) that sit in an
-# open transaction doing nothing, longest first.
+# open transaction doing nothing, longest first. Only those with a snapshot or a transaction
+# id hold VACUUM back; the others still hold their locks and a connection.
 IDLE_IN_TRANSACTION: LiteralString = """
 SELECT pid, usename, application_name,
        extract(epoch FROM now() - state_change)::float8 AS idle_for,
-       extract(epoch FROM now() - xact_start)::float8 AS open_for, left(query, 200) AS query
+       extract(epoch FROM now() - xact_start)::float8 AS open_for, left(query, 200) AS query,
+       backend_xmin IS NOT NULL OR backend_xid IS NOT NULL AS holds_horizon
 FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid()
   AND state IN ('idle in transaction', 'idle in transaction (aborted)')
@@ -476,6 +517,7 @@ ORDER BY state_change
 OLDEST_TRANSACTION: LiteralString = """
 SELECT pid, usename, application_name, state,
        extract(epoch FROM now() - xact_start)::float8 AS age,
+       greatest(age(backend_xmin), age(backend_xid)) AS xmin_age,
        left(query, 200) AS query
 FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid()
@@ -483,6 +525,50 @@ WHERE datname = current_database() AND pid <> pg_backend_pid()
   AND backend_type = 'client backend'
 ORDER BY xact_start
 LIMIT 1
+"""
+
+# Prepared transactions (two-phase commit) of this database: each keeps its transaction id,
+# and so the horizon, until someone runs COMMIT PREPARED or ROLLBACK PREPARED, whatever
+# happened to the session or the coordinator that prepared it.
+PREPARED_TRANSACTIONS: LiteralString = """
+SELECT gid, owner, prepared,
+       extract(epoch FROM now() - prepared)::float8 AS age,
+       age(transaction) AS xmin_age
+FROM pg_prepared_xacts
+WHERE database = current_database()
+ORDER BY prepared
+"""
+
+# Replication slots that keep a horizon. `xmin` (a physical slot fed by a standby's
+# hot_standby_feedback) holds back every table of every database, and stays when the standby
+# goes away; `catalog_xmin` (a logical slot) holds back only the system catalogs. A slot has
+# no start time: its age is in transactions. The walsender, when one is connected, says who.
+REPLICATION_SLOTS: LiteralString = """
+SELECT s.slot_name, s.slot_type, s.database, s.active, s.active_pid,
+       age(s.xmin) AS xmin_age, age(s.catalog_xmin) AS catalog_xmin_age,
+       r.application_name, r.client_addr::text AS client_addr
+FROM pg_replication_slots s
+LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
+WHERE s.xmin IS NOT NULL OR s.catalog_xmin IS NOT NULL
+ORDER BY greatest(age(s.xmin), age(s.catalog_xmin)) DESC, s.slot_name
+"""
+
+# Sessions holding a lock on the table that autovacuum's SHARE UPDATE EXCLUSIVE conflicts
+# with (a CREATE INDEX, even CONCURRENTLY, a VALIDATE CONSTRAINT, a LOCK TABLE): autovacuum
+# skips a table it cannot lock at once, so while one is held the table is never vacuumed.
+# Autovacuum's own lock is not one of them.
+VACUUM_LOCKS: LiteralString = """
+SELECT a.pid, a.usename, a.application_name, a.state, l.mode,
+       extract(epoch FROM now() - coalesce(a.xact_start, a.query_start))::float8 AS held_for,
+       left(a.query, 200) AS query
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'relation' AND l.relation = 'pgjobs_job'::regclass AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.mode IN ('ShareUpdateExclusiveLock', 'ShareLock', 'ShareRowExclusiveLock',
+                 'ExclusiveLock', 'AccessExclusiveLock')
+  AND a.backend_type <> 'autovacuum worker' AND a.pid <> pg_backend_pid()
+ORDER BY a.xact_start NULLS LAST, a.pid
 """
 
 INVALID_INDEXES: LiteralString = """

@@ -1,38 +1,172 @@
 """``manage.py jobsdoctor`` as a real process, against problems made for real.
 
 Each problem is created the way production creates it (a session left idle in transaction
-holding a claim while a worker runs 2,000 jobs, a CREATE INDEX CONCURRENTLY that failed, a
-worker that died holding leases, a queue nobody works, a table whose autovacuum setting was
-reset) and the doctor must name it on a ``PROBLEM:`` line and exit 1; a healthy database
-exits 0. Whatever a test changes in the schema it puts back in a ``finally``.
+holding a claim while a worker runs 2,000 jobs, a prepared transaction nobody finished, a hot
+standby whose long query holds its replication slot's xmin, a lock that keeps autovacuum out
+round after round, autovacuum settings turned off, a CREATE INDEX CONCURRENTLY that failed, a
+worker that died holding leases, a queue nobody works) and the doctor must name it on a
+``PROBLEM:`` line and exit 1; a healthy database, however many dead rows a burst of work has
+just left, exits 0. Where the doctor says VACUUM cannot (or can) remove the dead rows, a
+VACUUM checks it.
+
+The doctor judges the server as well as the table, and some problems need settings a shared
+development server lacks, so this module runs on a throwaway PostgreSQL of its own (one for
+the module, the table emptied before each test): ``wal_level = logical`` and
+``max_prepared_transactions`` for the horizon holders, and ``autovacuum_naptime = 1h`` so that
+autovacuum, on as on any production server, does not clean up behind a test's back while it
+counts dead rows. Whatever a test changes on that server it puts back in a ``finally``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pwd
 import re
+import subprocess
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql as pgsql
 
 from django_pgjobs import sql
-from django_pgjobs.models import Job
-from testproject.testjobs import noop
-from tests.helpers import make_job, make_jobs, query, raw_connect, scalar, wait_until
+from django_pgjobs.doctor import Thresholds
+from scripts.pgserver import ThrowawayPostgres
+from tests.helpers import NOOP, PLAIN_COLUMNS, TIME_COLUMNS, wait_until
 from tests.workers import Workers, ran
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
 SCALE_FACTOR = "autovacuum_vacuum_scale_factor=0.01"
+DEAD_ROWS = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'pgjobs_job'::regclass"
+# How long the doctor counts the table as unvacuumed (the same expression as sql.TABLE_HEALTH).
+UNVACUUMED_FOR = (
+    "SELECT extract(epoch FROM now() - coalesce(greatest(last_autovacuum, last_vacuum), "
+    "pg_postmaster_start_time())) FROM pg_stat_user_tables WHERE relid = 'pgjobs_job'::regclass"
+)
+
+
+class Server:
+    """The module's throwaway PostgreSQL and its migrated ``doctor`` database."""
+
+    def __init__(self, pg: ThrowawayPostgres) -> None:
+        self.pg = pg
+        self.url = pg.url.rsplit("/", 1)[0] + "/doctor"
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.url, autocommit=True)
+
+    def query(self, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+        with self.connect() as conn:
+            cursor = conn.execute(statement, params)
+            return cursor.fetchall() if cursor.description else []
+
+    def scalar(self, statement: str, params: Any = None) -> Any:
+        rows = self.query(statement, params)
+        assert len(rows) == 1 and len(rows[0]) == 1, rows
+        return rows[0][0]
+
+    def dead_rows(self) -> int:
+        return int(self.scalar(DEAD_ROWS) or 0)
+
+    def leave_dead_rows(self, count: int) -> None:
+        """Insert ``count`` jobs and finish them all: ``count`` dead row versions, counted."""
+        before = self.dead_rows()
+        self.insert(count)
+        self.query("UPDATE pgjobs_job SET status = 'done', finished_at = now()")
+        # A session's counts reach the statistics when it ends, a moment after it closed.
+        wait_until(
+            lambda: self.dead_rows() >= before + count,
+            timeout=30,
+            interval=0.1,
+            message=f"the statistics to count {count} more dead rows",
+        )
+
+    @contextlib.contextmanager
+    def setting(self, **values: str) -> Iterator[None]:
+        """Server settings (ALTER SYSTEM, reloaded) for the block; the old values after it."""
+        before = {
+            name: self.scalar(pgsql.SQL("SHOW {}").format(pgsql.Identifier(name)))
+            for name in values
+        }
+        self._set(values)
+        try:
+            yield
+        finally:
+            self._set(before)
+
+    def _set(self, values: dict[str, str]) -> None:
+        for name, value in values.items():
+            self.query(
+                pgsql.SQL("ALTER SYSTEM SET {} = {}").format(
+                    pgsql.Identifier(name), pgsql.Literal(value)
+                )
+            )
+        self.query("SELECT pg_reload_conf()")
+        show = pgsql.SQL(", ").join(
+            pgsql.SQL("current_setting({})").format(pgsql.Literal(name)) for name in values
+        )
+        wait_until(
+            lambda: self.query(pgsql.SQL("SELECT {}").format(show))[0] == tuple(values.values()),
+            timeout=30,
+            interval=0.05,
+            message=f"the server to reload {values}",
+        )
+
+    def reloptions(self) -> list[str]:
+        return list(
+            self.scalar("SELECT reloptions FROM pg_class WHERE oid = 'pgjobs_job'::regclass") or []
+        )
+
+    def insert(self, count: int = 1, **columns: Any) -> list[int]:
+        """``count`` jobs alike but for their payload (``{"n": i}``), in any state; a
+        ``timedelta`` is measured from the database's ``now()``. Returns their ids in order."""
+        unknown = set(columns) - set(TIME_COLUMNS) - set(PLAIN_COLUMNS)
+        assert not unknown, f"unknown columns {sorted(unknown)}"
+        names, slots, params = ["task"], ["%s"], [NOOP]
+        for name, value in columns.items():
+            names.append(name)
+            slots.append("now() + %s::interval" if isinstance(value, timedelta) else "%s")
+            params.append(value)
+        statement = pgsql.SQL(
+            "INSERT INTO pgjobs_job ({names}, payload) SELECT {slots}, jsonb_build_object('n', n) "
+            "FROM generate_series(1, %s) AS n ORDER BY n RETURNING id"
+        ).format(
+            names=pgsql.SQL(", ").join(map(pgsql.Identifier, names)),
+            slots=pgsql.SQL(", ").join(map(pgsql.SQL, slots)),
+        )
+        with self.connect() as conn:
+            rows = conn.execute(statement, [*params, count]).fetchall()
+        return sorted(row[0] for row in rows)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with ThrowawayPostgres() as pg:
+        with psycopg.connect(pg.url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET wal_level = logical")
+            conn.execute("ALTER SYSTEM SET max_prepared_transactions = 10")
+            conn.execute("ALTER SYSTEM SET autovacuum_naptime = '1h'")
+            conn.execute("CREATE DATABASE doctor")
+        pg.restart()
+        started = Server(pg)
+        with Workers(tmp_path_factory.mktemp("doctor-migrate")) as setup:
+            setup.run("migrate", "--verbosity", "0", database_url=started.url, timeout=180)
+        yield started
+
+
+@pytest.fixture(autouse=True)
+def _empty_table(server: Server) -> None:
+    server.query("TRUNCATE pgjobs_job")
 
 
 class Diagnosis:
     """One run of ``jobsdoctor``: its exit status, its output and its PROBLEM lines."""
 
-    def __init__(self, workers: Workers, *args: str) -> None:
-        process = workers.command("jobsdoctor", *args)
+    def __init__(self, server: Server, workers: Workers, *args: str) -> None:
+        process = workers.command("jobsdoctor", *args, database_url=server.url)
         self.status = process.wait(60)
         self.output = process.output()
         self.log = process.log()
@@ -52,40 +186,78 @@ class Diagnosis:
         return [problem for problem in self.problems if text in problem]
 
 
-def healthy(workers: Workers, *args: str) -> Diagnosis:
-    report = Diagnosis(workers, *args)
-    assert report.status == 0, report
-    assert not report.problems, report
-    assert report.output.splitlines()[-1] == "Healthy.", report
-    return report
+@pytest.fixture
+def doctor(server: Server, workers: Workers) -> Doctor:
+    return Doctor(server, workers)
 
 
-def seconds_idle(pid: int) -> float:
+class Doctor:
+    """Runs ``jobsdoctor`` against the module's server."""
+
+    def __init__(self, server: Server, workers: Workers) -> None:
+        self.server = server
+        self.workers = workers
+
+    def __call__(self, *args: str) -> Diagnosis:
+        return Diagnosis(self.server, self.workers, *args)
+
+    def healthy(self, *args: str) -> Diagnosis:
+        report = self(*args)
+        assert report.status == 0, report
+        assert not report.problems, report
+        assert report.output.splitlines()[-1] == "Healthy.", report
+        return report
+
+
+def seconds_idle(server: Server, pid: int) -> float:
     return float(
-        scalar(
-            "SELECT coalesce(extract(epoch FROM now() - state_change), 0) FROM pg_stat_activity "
-            "WHERE pid = %s AND state = 'idle in transaction'",
+        server.scalar(
+            "SELECT coalesce(max(extract(epoch FROM now() - state_change)), 0) "
+            "FROM pg_stat_activity WHERE pid = %s AND state = 'idle in transaction'",
             [pid],
         )
-        or 0.0
     )
 
 
-def reloptions() -> list[str]:
-    return list(scalar("SELECT reloptions FROM pg_class WHERE oid = 'pgjobs_job'::regclass") or [])
+@pytest.mark.slow
+def test_a_busy_queue_right_after_a_burst_is_healthy_however_many_dead_rows(
+    server: Server, workers: Workers, doctor: Doctor
+) -> None:
+    # A queue autovacuum keeps up with: vacuumed a moment ago, then a burst of work. Each job
+    # leaves two dead row versions (its claim and its completion) until the next autovacuum,
+    # so a burst leaves more dead rows than live ones: that alone is no problem.
+    server.query("VACUUM pgjobs_job")
+    server.insert(8000)
+    worker = workers.burst("--concurrency", "4", database_url=server.url, timeout=300)
+    assert ran(worker) == 8000
+    wait_until(
+        lambda: (server.scalar(DEAD_ROWS) or 0) > 10_000,
+        timeout=30,
+        interval=0.2,
+        message="the statistics to count the burst's dead rows",
+    )
+
+    text = doctor.healthy()
+    as_json = doctor("--json").json()
+
+    assert (as_json["healthy"], as_json["problems"]) == (True, [])
+    table = as_json["table"]
+    # The doctor saw what the issue reported: more dead rows than live ones, over 10,000.
+    assert table["n_dead_tup"] > max(table["n_live_tup"], 10_000), as_json
+    assert "Table pgjobs_job: 8000 live rows, " in text.output
 
 
-def test_a_healthy_queue_exits_0_in_text_and_json(workers: Workers) -> None:
-    make_jobs(3)
-    make_jobs(2, status="running", attempts=1, locked_until=timedelta(minutes=5))
-    make_jobs(4, status="done", attempts=1, finished_at=timedelta(minutes=-1))
-    make_job(status="failed", attempts=5, finished_at=timedelta(hours=-3), last_error="old")
+def test_a_healthy_queue_exits_0_in_text_and_json(server: Server, doctor: Doctor) -> None:
+    server.insert(3)
+    server.insert(2, status="running", attempts=1, locked_until=timedelta(minutes=5))
+    server.insert(4, status="done", attempts=1, finished_at=timedelta(minutes=-1))
+    server.insert(status="failed", attempts=5, finished_at=timedelta(hours=-3), last_error="old")
 
-    text = healthy(workers)
+    text = doctor.healthy()
     assert "Invalid indexes: none" in text.output
     assert "Sessions idle in transaction: 0" in text.output
 
-    report = Diagnosis(workers, "--json").json()
+    report = doctor("--json").json()
     assert (report["healthy"], report["problems"]) == (True, [])
     assert report["invalid_indexes"] == []
     assert report["idle_in_transaction"] == []
@@ -93,11 +265,12 @@ def test_a_healthy_queue_exits_0_in_text_and_json(workers: Workers) -> None:
     assert report["table"]["reloptions"] == [SCALE_FACTOR]
 
 
+@pytest.mark.slow
 def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits(
-    workers: Workers,
+    server: Server, workers: Workers, doctor: Doctor
 ) -> None:
-    Job.objects.enqueue_many(noop, [{"n": n} for n in range(2001)])
-    with raw_connect() as holder:
+    server.insert(2001)
+    with server.connect() as holder:
         pid = holder.info.backend_pid
         holder.execute("BEGIN")
         held = holder.execute(
@@ -114,61 +287,80 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
         try:
             # The claim's lock does not stop a worker (SKIP LOCKED), so the harm is silent:
             # 2,000 jobs run while this transaction holds back VACUUM.
-            worker = workers.burst("--concurrency", "4", timeout=120)
+            worker = workers.burst("--concurrency", "4", database_url=server.url, timeout=120)
             assert ran(worker) == 2000
             # The default --idle-threshold is 5 s.
             wait_until(
-                lambda: seconds_idle(pid) > 5.5,
+                lambda: seconds_idle(server, pid) > 5.5,
                 timeout=15,
                 interval=0.2,
                 message="the holder to be idle in transaction for 5 s",
             )
 
-            report = Diagnosis(workers, "--transaction-threshold", "1")
+            report = doctor("--transaction-threshold", "1")
 
             assert report.status == 1, report
-            idle = report.about(f"session pid {pid} ")
-            assert len(idle) == 1, report
-            assert " has been idle in transaction for " in idle[0]
-            assert "holds back VACUUM" in idle[0]
-            # ... and what it last ran: the claim.
-            assert "last query: WITH next AS ( SELECT id FROM pgjobs_job" in idle[0]
-            oldest = report.about(f"transaction of pid {pid} has been open for ")
-            assert len(oldest) == 1, report
-            assert f"Oldest open transaction: pid {pid}, " in report.output
-            assert "Sessions idle in transaction: 1" in report.output
-            # Only these two: the 2,000 jobs left no other trace the doctor objects to.
             assert len(report.problems) == 2, report
+            idle, horizon = report.problems
+            assert idle.startswith(
+                f"session pid {pid} (postgres, no application_name) has been idle in "
+                "transaction for "
+            ), report
+            assert "s: it holds back VACUUM for every table in this database" in idle
+            # ... and what it last ran: the claim.
+            assert "last query: WITH next AS ( SELECT id FROM pgjobs_job" in idle
+            # The horizon it holds, now that the 2,000 jobs left their dead rows behind it.
+            found = re.fullmatch(
+                rf"session pid {pid} \(idle in transaction; postgres, no application_name\) "
+                r"has held back the xmin horizon for (\d+) s, (\d+) transactions: VACUUM "
+                r"cannot remove the rows of pgjobs_job that died since \((\d+) dead, "
+                r"autovacuum's threshold is (\d+)\); last query: WITH next AS .*; commit it "
+                r"or end it where it started, or, if it is abandoned, "
+                rf"SELECT pg_terminate_backend\({pid}\);",
+                horizon,
+            )
+            assert found, horizon
+            open_for, transactions, dead, threshold = map(int, found.groups())
+            assert open_for >= 5 and transactions > 1
+            # Two dead versions per job (its claim and its completion), less what pruning of
+            # full pages has already reclaimed: far past the threshold (50 + 1% of the rows).
+            assert dead > 2000 and threshold < 100
+            assert f"  session pid {pid} (idle in transaction; " in report.output
+            assert "Sessions idle in transaction: 1" in report.output
 
-            as_json = Diagnosis(workers, "--json", "--transaction-threshold", "1").json()
+            as_json = doctor("--json", "--transaction-threshold", "1").json()
             assert as_json["healthy"] is False
             assert [s["pid"] for s in as_json["idle_in_transaction"]] == [pid]
+            assert as_json["idle_in_transaction"][0]["holds_horizon"] is True
             assert as_json["oldest_transaction"]["pid"] == pid
             # Ages are numbers of seconds (not strings) for whatever reads the JSON.
             assert isinstance(as_json["oldest_transaction"]["age"], float)
             assert as_json["oldest_transaction"]["age"] > 5
             assert as_json["idle_in_transaction"][0]["idle_for"] > 5
+            (session,) = as_json["horizon"]
+            assert (session["kind"], session["name"]) == ("session", f"pid {pid}")
+            assert session["xmin_age"] > 1 and session["holds_table"] is True
             assert len(as_json["problems"]) == 2
-            assert as_json["problems"][0].startswith(f"session pid {pid} ")
-            assert as_json["problems"][1].startswith(f"transaction of pid {pid} ")
+            assert as_json["problems"][0].startswith(f"session pid {pid} (postgres, ")
+            assert as_json["problems"][1].startswith(f"session pid {pid} (idle in transaction; ")
 
             # Below the default --transaction-threshold (300 s) only the idle session counts.
-            assert len(Diagnosis(workers).problems) == 1
+            assert len(doctor().problems) == 1
         finally:
             holder.execute("COMMIT")
 
-        after = healthy(workers, "--idle-threshold", "0", "--transaction-threshold", "1")
-        assert str(pid) not in after.output
+    after = doctor.healthy("--idle-threshold", "0", "--transaction-threshold", "1")
+    assert str(pid) not in after.output
     # The held job is still running under its 5-minute lease: nothing for the doctor.
-    assert scalar("SELECT count(*) FROM pgjobs_job WHERE status = 'running'") == 1
+    assert server.scalar("SELECT count(*) FROM pgjobs_job WHERE status = 'running'") == 1
 
 
 def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
-    workers: Workers,
+    server: Server, doctor: Doctor
 ) -> None:
-    make_job(payload={"k": "same"})
-    make_job(payload={"k": "same"})
-    with raw_connect() as conn:  # autocommit: CONCURRENTLY cannot run in a transaction
+    server.query("""INSERT INTO pgjobs_job (task, payload) VALUES (%s, '{"k": "same"}')""", [NOOP])
+    server.query("""INSERT INTO pgjobs_job (task, payload) VALUES (%s, '{"k": "same"}')""", [NOOP])
+    with server.connect() as conn:  # autocommit: CONCURRENTLY cannot run in a transaction
         try:
             with pytest.raises(psycopg.errors.UniqueViolation):
                 conn.execute(
@@ -177,14 +369,14 @@ def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
                 )
             # The failed build left the index behind, invalid.
             assert (
-                scalar(
+                server.scalar(
                     "SELECT indisvalid FROM pg_index "
                     "WHERE indexrelid = 'pgjobs_job_dupe_idx'::regclass"
                 )
                 is False
             )
 
-            report = Diagnosis(workers)
+            report = doctor()
 
             assert report.status == 1, report
             assert report.problems == [
@@ -193,32 +385,32 @@ def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
                 "pgjobs_job_dupe_idx; then build it again."
             ], report
             assert "Invalid indexes: pgjobs_job_dupe_idx" in report.output
-            assert Diagnosis(workers, "--json").json()["invalid_indexes"] == ["pgjobs_job_dupe_idx"]
+            assert doctor("--json").json()["invalid_indexes"] == ["pgjobs_job_dupe_idx"]
         finally:
             conn.execute("DROP INDEX CONCURRENTLY IF EXISTS pgjobs_job_dupe_idx")
-    healthy(workers)
+    doctor.healthy()
 
 
 def test_expired_leases_lag_and_a_reset_autovacuum_setting_in_text_and_json(
-    workers: Workers,
+    server: Server, doctor: Doctor
 ) -> None:
     expired = [
-        make_job(status="running", attempts=1, locked_until=timedelta(minutes=-3)),
-        make_job(status="running", attempts=2, locked_until=timedelta(minutes=-1)),
+        *server.insert(status="running", attempts=1, locked_until=timedelta(minutes=-3)),
+        *server.insert(status="running", attempts=2, locked_until=timedelta(minutes=-1)),
     ]
-    leased = make_job(status="running", attempts=1, locked_until=timedelta(minutes=5))
-    make_job(queue="emails", run_at=timedelta(minutes=-10))
-    make_job(queue="emails", run_at=timedelta(minutes=-1))
-    make_job(queue="reports", run_at=timedelta(seconds=-30))
-    assert reloptions() == [SCALE_FACTOR]
-    with raw_connect() as conn:
+    (leased,) = server.insert(status="running", attempts=1, locked_until=timedelta(minutes=5))
+    server.insert(queue="emails", run_at=timedelta(minutes=-10))
+    server.insert(queue="emails", run_at=timedelta(minutes=-1))
+    server.insert(queue="reports", run_at=timedelta(seconds=-30))
+    assert server.reloptions() == [SCALE_FACTOR]
+    with server.connect() as conn:
         conn.execute("ALTER TABLE pgjobs_job RESET (autovacuum_vacuum_scale_factor)")
         try:
-            text = Diagnosis(workers, "--lag-threshold", "120")
-            as_json = Diagnosis(workers, "--json", "--lag-threshold", "120").json()
+            text = doctor("--lag-threshold", "120")
+            as_json = doctor("--json", "--lag-threshold", "120").json()
         finally:
             conn.execute("ALTER TABLE pgjobs_job SET (autovacuum_vacuum_scale_factor = 0.01)")
-    assert reloptions() == [SCALE_FACTOR]
+    assert server.reloptions() == [SCALE_FACTOR]
 
     assert text.status == 1, text
     assert len(text.problems) == 3, text
@@ -256,52 +448,51 @@ def test_expired_leases_lag_and_a_reset_autovacuum_setting_in_text_and_json(
     assert 30 <= queues["reports"]["lag_seconds"] < 90
 
     # Each problem goes away with its cause.
-    query(
+    server.query(
         "UPDATE pgjobs_job SET status = 'done', finished_at = now(), locked_until = NULL "
-        "WHERE status = 'running' OR queue = 'emails' RETURNING id"
+        "WHERE status = 'running' OR queue = 'emails'"
     )
-    healthy(workers, "--lag-threshold", "120")
+    doctor.healthy("--lag-threshold", "120")
 
 
 def test_the_report_shows_queue_depth_and_lag_dead_rows_autovacuum_and_reloptions(
-    workers: Workers,
+    server: Server, workers: Workers, doctor: Doctor
 ) -> None:
-    make_job(queue="emails", run_at=timedelta(minutes=-2))
-    make_jobs(2, queue="emails", run_at=timedelta(seconds=-5))
-    make_jobs(3, queue="emails", run_at=timedelta(hours=1))
-    make_job(queue="emails", status="running", attempts=1, locked_until=timedelta(minutes=5))
-    make_job(
-        queue="emails",
-        status="failed",
-        attempts=5,
-        finished_at=timedelta(minutes=-5),
-        last_error="Traceback ...\nRuntimeError: smtp down",
+    server.insert(queue="emails", run_at=timedelta(minutes=-2))
+    server.insert(2, queue="emails", run_at=timedelta(seconds=-5))
+    server.insert(3, queue="emails", run_at=timedelta(hours=1))
+    server.insert(queue="emails", status="running", attempts=1, locked_until=timedelta(minutes=5))
+    server.query(
+        "INSERT INTO pgjobs_job (task, queue, status, attempts, finished_at, last_error) "
+        "VALUES (%s, 'emails', 'failed', 5, now() - interval '5 minutes', %s)",
+        [NOOP, "Traceback ...\nRuntimeError: smtp down"],
     )
-    make_jobs(4, queue="emails", status="done", attempts=1, finished_at=timedelta(minutes=-5))
-    make_jobs(12_000, status="done", attempts=1, finished_at=timedelta(days=-30))
+    server.insert(4, queue="emails", status="done", attempts=1, finished_at=timedelta(minutes=-5))
+    server.insert(12_000, status="done", attempts=1, finished_at=timedelta(days=-30))
 
-    with raw_connect() as conn:
+    with server.connect() as conn:
         # Autovacuum must not clean up behind the test's back while it counts dead rows.
         conn.execute("ALTER TABLE pgjobs_job SET (autovacuum_enabled = false)")
         try:
-            assert Job.objects.prune() == 12_000
+            pruned = workers.run("prunejobs", "--older-than", "7d", database_url=server.url)
+            assert "12000" in pruned.output(), pruned.tail()
             stats = (
                 "SELECT n_dead_tup, last_autovacuum FROM pg_stat_user_tables "
                 "WHERE relid = 'pgjobs_job'::regclass"
             )
             wait_until(
-                lambda: query(stats)[0][0] >= 12_000,
+                lambda: server.query(stats)[0][0] >= 12_000,
                 timeout=20,
                 interval=0.2,
                 message="the statistics to count the pruned rows as dead",
             )
-            dead, last_autovacuum = query(stats)[0]
+            dead, last_autovacuum = server.query(stats)[0]
 
-            text = Diagnosis(workers)
-            as_json = Diagnosis(workers, "--json").json()
+            text = doctor()
+            as_json = doctor("--json").json()
         finally:
             conn.execute("ALTER TABLE pgjobs_job RESET (autovacuum_enabled)")
-    assert reloptions() == [SCALE_FACTOR]
+    assert server.reloptions() == [SCALE_FACTOR]
 
     queue_line = next(line for line in text.output.splitlines() if line.startswith("  emails:"))
     found = re.fullmatch(
@@ -313,24 +504,37 @@ def test_the_report_shows_queue_depth_and_lag_dead_rows_autovacuum_and_reloption
     assert 120 <= float(found.group(1)) < 180
     assert "Failures in the last hour: 1" in text.output
     assert "RuntimeError: smtp down" in text.output
+    table = as_json["table"]
+    # The threshold autovacuum works to, from the table's own scale factor (0.01) and the
+    # server's base threshold (50); reltuples is -1 (never counted, taken as 0) or a count.
+    assert table["vacuum_threshold"] == int(50 + 0.01 * max(table["reltuples"], 0))
     table_line = next(line for line in text.output.splitlines() if line.startswith("Table "))
     assert table_line == (
-        f"Table pgjobs_job: {as_json['table']['n_live_tup']} live rows, {dead} dead, "
-        f"last autovacuum {last_autovacuum or 'never'}, "
+        f"Table pgjobs_job: {table['n_live_tup']} live rows, {dead} dead "
+        f"({round(dead / table['n_live_tup'], 2)} per live row; autovacuum vacuums past "
+        f"{table['vacuum_threshold']}), last autovacuum {last_autovacuum or 'never'}, "
+        f"last vacuum {table['last_vacuum'] or 'never'}, "
         f"options {SCALE_FACTOR}, autovacuum_enabled=false"
     )
-    # 12,000 dead rows for a dozen live ones: vacuum is behind, and the doctor says so.
+    assert "Autovacuum: on (naptime 3600 s), track_counts on" in text.output
+    # 12,000 dead rows for a dozen live ones are information; what is wrong is that
+    # autovacuum may never remove them.
     assert text.status == 1, text
     assert text.problems == [
-        f"pgjobs_job has {dead} dead rows for {as_json['table']['n_live_tup']} live ones: "
-        "vacuum is not keeping up (an old transaction holding it back, or autovacuum too "
-        "slow for this table)."
+        "pgjobs_job has autovacuum_enabled = false: autovacuum never vacuums it; "
+        "ALTER TABLE pgjobs_job RESET (autovacuum_enabled);"
     ], text
 
-    table = as_json["table"]
     assert table["n_dead_tup"] == dead
+    assert table["dead_per_live_row"] == round(dead / table["n_live_tup"], 2)
+    assert table["autovacuum_enabled"] is False
     assert table["last_autovacuum"] == (None if last_autovacuum is None else str(last_autovacuum))
     assert table["reloptions"] == [SCALE_FACTOR, "autovacuum_enabled=false"]
+    assert as_json["settings"] == {
+        "autovacuum": True,
+        "track_counts": True,
+        "autovacuum_naptime": 3600.0,
+    }
     (emails,) = [q for q in as_json["queues"] if q["queue"] == "emails"]
     assert {k: emails[k] for k in ("ready", "scheduled", "running", "expired", "failed")} == {
         "ready": 3,
@@ -342,3 +546,304 @@ def test_the_report_shows_queue_depth_and_lag_dead_rows_autovacuum_and_reloption
     assert emails["done_last_hour"] == 4
     assert 120 <= emails["lag_seconds"] < 180
     assert as_json["failures_last_hour"] == 1
+
+
+def test_a_forgotten_prepared_transaction_is_named_once_dead_rows_pile_up_behind_it(
+    server: Server, doctor: Doctor
+) -> None:
+    assert int(server.scalar("SHOW max_prepared_transactions")) > 0
+    server.insert(10)
+    with server.connect() as conn:
+        conn.execute("BEGIN")
+        conn.execute("SELECT pg_current_xact_id()")  # a transaction id, as any write has
+        conn.execute("PREPARE TRANSACTION 'invoice''s 42'")
+    # The session is gone; the prepared transaction stays until someone finishes it.
+    try:
+        wait_until(
+            lambda: server.scalar(
+                "SELECT now() - prepared > interval '1.5 s' FROM pg_prepared_xacts"
+            ),
+            timeout=30,
+            interval=0.1,
+            message="the prepared transaction to be older than 1 s",
+        )
+        # Old enough, but the table has nothing for vacuum to do: shown, not judged.
+        quiet = doctor.healthy("--transaction-threshold", "1")
+        listed = re.search(
+            r"\n  prepared transaction 'invoice''s 42' \(owner postgres, prepared at "
+            r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\+0000\): \d+ s, \d+ transactions\n",
+            quiet.output,
+        )
+        assert listed, quiet
+
+        server.leave_dead_rows(500)
+        report = doctor("--transaction-threshold", "1")
+
+        assert report.status == 1, report
+        (problem,) = report.problems
+        found = re.fullmatch(
+            r"prepared transaction 'invoice''s 42' \(owner postgres, prepared at [^)]+\) has "
+            r"held back the xmin horizon for \d+ s, (\d+) transactions: VACUUM cannot remove "
+            r"the rows of pgjobs_job that died since \((\d+) dead, autovacuum's threshold is "
+            r"(\d+)\); it outlives the session that prepared it, so only its transaction "
+            r"manager or you can end it: COMMIT PREPARED 'invoice''s 42'; or ROLLBACK PREPARED "
+            r"'invoice''s 42';",
+            problem,
+        )
+        assert found, problem
+        transactions, dead, threshold = map(int, found.groups())
+        assert transactions >= 2 and dead >= 500 and threshold < dead
+        # And it is true: a VACUUM now keeps every one of those rows.
+        server.query("VACUUM pgjobs_job")
+        assert server.dead_rows() >= 500
+        (holder,) = doctor("--json").json()["horizon"]
+        assert (holder["kind"], holder["name"]) == ("prepared transaction", "'invoice''s 42'")
+        assert holder["age"] > 1 and holder["holds_table"] is True
+        # Under the default --transaction-threshold (300 s) it is young enough to wait for.
+        doctor.healthy()
+    finally:
+        server.query("ROLLBACK PREPARED 'invoice''s 42'")
+    server.query("VACUUM pgjobs_job")
+    assert server.dead_rows() == 0
+    assert "Xmin horizon held by: nothing" in doctor.healthy("--transaction-threshold", "0").output
+
+
+class Standby:
+    """A hot standby of the module's server, made the way an operator makes one
+    (``pg_basebackup -R`` with a physical slot) and run with ``hot_standby_feedback``: its
+    queries hold back the primary's vacuum through the slot's ``xmin``."""
+
+    def __init__(self, server: Server, slot: str) -> None:
+        self.primary = server
+        self.slot = slot
+        self.pg = ThrowawayPostgres()
+
+    def __enter__(self) -> Standby:
+        data = self.pg.data
+        data.mkdir(mode=0o700)
+        if self.pg.user:
+            owner = pwd.getpwnam(self.pg.user)
+            for path in (self.pg.root, data):
+                os.chown(path, owner.pw_uid, owner.pw_gid)
+        try:
+            subprocess.run(
+                [
+                    str(self.pg.bindir / "pg_basebackup"),
+                    *("-h", "127.0.0.1", "-p", str(self.primary.pg.port), "-U", "postgres"),
+                    *("-D", str(data), "-R", "-C", "-S", self.slot, "-c", "fast", "--no-sync"),
+                ],
+                user=self.pg.user,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            with open(data / "postgresql.auto.conf", "a") as conf:
+                conf.write("hot_standby_feedback = on\nwal_receiver_status_interval = 1\n")
+            self.pg.start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(f"postgres://postgres@127.0.0.1:{self.pg.port}/doctor")
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.pg.destroy()
+        finally:
+            self.primary.query(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                "WHERE slot_name = %s",
+                [self.slot],
+            )
+
+
+@pytest.mark.slow
+def test_a_slot_held_by_a_standby_query_is_named_and_still_holds_once_the_standby_is_gone(
+    server: Server, doctor: Doctor
+) -> None:
+    if not (server.pg.bindir / "pg_basebackup").exists():
+        pytest.skip(f"no pg_basebackup in {server.pg.bindir} to make a standby with")
+    slot_xmin = "SELECT xmin FROM pg_replication_slots WHERE slot_name = 'doctor_standby'"
+    with Standby(server, "doctor_standby") as standby:
+        with standby.connect() as report_query:
+            # A long report on the standby: its snapshot is what the standby reports back.
+            report_query.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            report_query.execute("SELECT count(*) FROM pgjobs_job")
+            wait_until(
+                lambda: server.scalar(slot_xmin) is not None,
+                timeout=30,
+                interval=0.1,
+                message="the standby's feedback to set the slot's xmin",
+            )
+            server.leave_dead_rows(500)
+            server.query("VACUUM pgjobs_job")
+            assert server.dead_rows() >= 500, "the slot did not hold the dead rows back"
+
+            # A few transactions old: listed, but under the default --slot-age-threshold.
+            quiet = doctor.healthy()
+            assert re.search(
+                r"\n  physical replication slot 'doctor_standby' \(active: walsender pid \d+ "
+                r"for walreceiver\): \d+ transactions\n",
+                quiet.output,
+            ), quiet
+
+            active = doctor("--slot-age-threshold", "1")
+            assert active.status == 1, active
+            (problem,) = active.problems
+            assert re.fullmatch(
+                r"physical replication slot 'doctor_standby' \(active: walsender pid \d+ for "
+                r"walreceiver\) has held back the xmin horizon for \d+ transactions: VACUUM "
+                r"cannot remove the rows of pgjobs_job that died since \(\d+ dead, "
+                r"autovacuum's threshold is \d+\); its standby sends the xmin of its oldest "
+                r"query \(hot_standby_feedback\): end the long queries there, or turn "
+                r"hot_standby_feedback off on the standby\.",
+                problem,
+            ), problem
+
+        # The standby goes away for good; the slot keeps its xmin, and nothing will move it.
+        standby.pg.stop()
+        assert server.scalar(slot_xmin) is not None
+        gone = doctor("--slot-age-threshold", "1")
+        assert gone.status == 1, gone
+        (problem,) = gone.problems
+        assert problem.startswith(
+            "physical replication slot 'doctor_standby' (inactive) has held back the xmin "
+            "horizon for "
+        ), problem
+        assert problem.endswith(
+            "no standby is connected, so nothing will move it: if the standby is gone for "
+            "good, SELECT pg_drop_replication_slot('doctor_standby');"
+        ), problem
+        (holder,) = doctor("--json").json()["horizon"]
+        assert holder["kind"] == "physical replication slot"
+        assert holder["age"] is None and holder["xmin_age"] >= 2
+    # The slot dropped, VACUUM removes the rows it held.
+    server.query("VACUUM pgjobs_job")
+    assert server.dead_rows() == 0
+    doctor.healthy("--slot-age-threshold", "0")
+
+
+def test_a_logical_slot_holds_back_only_the_catalogs_and_is_not_blamed_for_the_table(
+    server: Server, doctor: Doctor
+) -> None:
+    assert server.scalar("SHOW wal_level") == "logical"
+    server.query("SELECT pg_create_logical_replication_slot('doctor_logical', 'pgoutput')")
+    try:
+        server.leave_dead_rows(500)
+        report = doctor.healthy("--slot-age-threshold", "0")
+        assert re.search(
+            r"\n  logical replication slot 'doctor_logical' \(inactive; catalog_xmin only\): "
+            r"\d+ transactions \(not pgjobs_job\)\n",
+            report.output,
+        ), report
+        (holder,) = doctor("--json").json()["horizon"]
+        assert holder["holds_table"] is False and holder["xmin_age"] >= 1
+        # And it is true: VACUUM removes the table's dead rows while the slot stays.
+        server.query("VACUUM pgjobs_job")
+        assert server.dead_rows() == 0
+    finally:
+        server.query("SELECT pg_drop_replication_slot('doctor_logical')")
+
+
+@pytest.mark.slow
+def test_autovacuum_kept_off_the_table_for_many_rounds_is_named_with_the_lock_in_its_way(
+    server: Server, doctor: Doctor
+) -> None:
+    with server.setting(autovacuum_naptime="1s"), server.connect() as migration:
+        # What a long CREATE INDEX CONCURRENTLY or VALIDATE CONSTRAINT holds: autovacuum skips
+        # a table it cannot lock at once, round after round.
+        migration.execute("BEGIN")
+        migration.execute("LOCK TABLE pgjobs_job IN SHARE UPDATE EXCLUSIVE MODE")
+        try:
+            server.leave_dead_rows(500)
+            wait_until(
+                lambda: server.scalar(UNVACUUMED_FOR) > 10.5,
+                timeout=60,
+                interval=0.2,
+                message="ten autovacuum rounds (of 1 s) without a vacuum of pgjobs_job",
+            )
+
+            report = doctor("--idle-threshold", "3600")
+
+            assert report.status == 1, report
+            (problem,) = report.problems
+            found = re.fullmatch(
+                r"autovacuum has not vacuumed pgjobs_job (since \S+ \S+|since the server "
+                r"started) \((\d+) s, more than 10 rounds of autovacuum_naptime = 1 s\) although "
+                r"its (\d+) dead rows are past its threshold of (\d+): "
+                rf"pid {migration.info.backend_pid} \(postgres, no application_name, idle in "
+                r"transaction\) has held ShareUpdateExclusiveLock on it for \d+ s, which "
+                r"autovacuum cannot get past; query: LOCK TABLE pgjobs_job IN SHARE UPDATE "
+                r"EXCLUSIVE MODE\.",
+                problem,
+            )
+            assert found, problem
+            assert int(found.group(2)) >= 10 and int(found.group(3)) >= 500
+            assert (
+                f"Locks that keep autovacuum off pgjobs_job: pid {migration.info.backend_pid} "
+                "ShareUpdateExclusiveLock"
+            ) in report.output
+        finally:
+            migration.execute("ROLLBACK")
+        # The lock gone, autovacuum comes within a round or two.
+        wait_until(
+            lambda: server.dead_rows() < 500,
+            timeout=60,
+            interval=0.2,
+            message="autovacuum to vacuum pgjobs_job",
+        )
+        assert server.scalar(
+            "SELECT last_autovacuum IS NOT NULL FROM pg_stat_user_tables "
+            "WHERE relid = 'pgjobs_job'::regclass"
+        )
+        doctor.healthy()
+
+
+@pytest.mark.slow
+def test_settings_that_keep_autovacuum_away_are_each_named(server: Server, doctor: Doctor) -> None:
+    server.leave_dead_rows(500)
+    with server.setting(autovacuum="off", autovacuum_naptime="1s"):
+        # Long enough without a vacuum for the lateness check, which must stay silent: the
+        # setting is the cause, and it is named once.
+        wait_until(
+            lambda: server.scalar(UNVACUUMED_FOR) > 10.5,
+            timeout=60,
+            interval=0.2,
+            message="ten rounds of autovacuum_naptime without a vacuum",
+        )
+        off = doctor()
+        assert off.status == 1, off
+        assert off.problems == [
+            "autovacuum is off on this server: nothing removes the dead rows every claim and "
+            "every outcome leave in pgjobs_job; set autovacuum = on in postgresql.conf (the "
+            "default) and reload."
+        ], off
+        assert "Autovacuum: off (naptime 1 s), track_counts on" in off.output
+
+    server.query("ALTER DATABASE doctor SET track_counts = off")
+    try:
+        uncounted = doctor()
+    finally:
+        server.query("ALTER DATABASE doctor RESET track_counts")
+    assert uncounted.status == 1, uncounted
+    assert uncounted.problems == [
+        "track_counts is off: PostgreSQL does not count dead rows, so autovacuum never sees "
+        "that pgjobs_job needs a vacuum (and this report's row counts stand still); set "
+        "track_counts = on (the default) for the server and this database."
+    ], uncounted
+    doctor.healthy()
+
+
+def test_a_negative_threshold_is_refused_with_the_option_named(doctor: Doctor) -> None:
+    for option in ("--idle-threshold", "--lag-threshold", "--slot-age-threshold"):
+        report = doctor(option, "-1")
+        assert report.status == 1, report
+        assert f"CommandError: {option} must be 0 or more (got -1" in report.log, report
+        assert report.output == ""
+    # The same from Python, where a NaN would otherwise silence a check for good.
+    with pytest.raises(ValueError, match=r"Thresholds\.transaction must be a number, 0 or more"):
+        Thresholds(transaction=float("nan"))
+    with pytest.raises(ValueError, match=r"Thresholds\.slot_age must be a number, 0 or more"):
+        Thresholds(slot_age=-1)

@@ -39,16 +39,30 @@ class Command(BaseCommand):
             metavar="SECONDS",
             help="Report a queue whose oldest ready job waited longer (default 300).",
         )
+        parser.add_argument(
+            "--slot-age-threshold",
+            type=int,
+            default=100_000,
+            metavar="TRANSACTIONS",
+            help=(
+                "Report a replication slot holding back vacuum of the jobs table once its xmin "
+                "is older than this many transactions (default 100000)."
+            ),
+        )
         parser.add_argument("--database", help="Database alias of the jobs table.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        for name in ("idle", "transaction", "lag", "slot_age"):
+            value = options[f"{name}_threshold"]
+            if not value >= 0:  # NaN too
+                option = "--" + name.replace("_", "-") + "-threshold"
+                raise CommandError(f"{option} must be 0 or more (got {value}).")
         limits = doctor.Thresholds(
             idle=options["idle_threshold"],
             transaction=options["transaction_threshold"],
             lag=options["lag_threshold"],
+            slot_age=options["slot_age_threshold"],
         )
-        if min(limits.idle, limits.transaction, limits.lag) < 0:
-            raise CommandError("Thresholds are numbers of seconds, 0 or more.")
         report = doctor.diagnose(options["database"], limits)
         if options["json"]:
             self.stdout.write(json.dumps(_plain(report), indent=2, default=str))
@@ -72,20 +86,30 @@ class Command(BaseCommand):
         for failure in report.recent_failures[:5]:
             error = (failure["last_error"] or "").strip().splitlines()
             write(f"  job {failure['id']} {failure['task']}: {error[-1] if error else ''}")
-        table = report.table
+        table, settings = report.table, report.settings
         write(
-            f"Table pgjobs_job: {table['n_live_tup']} live rows, {table['n_dead_tup']} dead, "
-            f"last autovacuum {table['last_autovacuum'] or 'never'}, "
+            f"Table pgjobs_job: {table['n_live_tup']} live rows, {table['n_dead_tup']} dead "
+            f"({table['dead_per_live_row']} per live row; autovacuum vacuums past "
+            f"{table['vacuum_threshold']}), last autovacuum {table['last_autovacuum'] or 'never'}, "
+            f"last vacuum {table['last_vacuum'] or 'never'}, "
             f"options {', '.join(table['reloptions'] or []) or 'none'}"
         )
-        oldest = report.oldest_transaction
         write(
-            "Oldest open transaction: "
+            f"Autovacuum: {'on' if settings['autovacuum'] else 'off'} "
+            f"(naptime {settings['autovacuum_naptime']:g} s), "
+            f"track_counts {'on' if settings['track_counts'] else 'off'}"
+            + (", vacuuming pgjobs_job now" if table["vacuum_running"] else "")
+        )
+        write("Xmin horizon held by:" + ("" if report.horizon else " nothing"))
+        for holder in report.horizon:
+            scope = "" if holder.holds_table else " (not pgjobs_job)"
+            query = f"; query: {holder.query}" if holder.query else ""
+            write(f"  {holder}: {holder.held_for()}{scope}{query}")
+        write(
+            "Locks that keep autovacuum off pgjobs_job: "
             + (
-                f"pid {oldest['pid']}, {oldest['age']:.1f} s, {oldest['state']}: "
-                f"{doctor.one_line(oldest['query'])}"
-                if oldest
-                else "none"
+                ", ".join(f"pid {lock['pid']} {lock['mode']}" for lock in report.vacuum_locks)
+                or "none"
             )
         )
         write(f"Sessions idle in transaction: {len(report.idle_in_transaction)}")
