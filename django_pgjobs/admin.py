@@ -104,7 +104,14 @@ class JobForm(forms.ModelForm):  # type: ignore[type-arg]
         return _valid(validation.queue_name, self.cleaned_data["queue"])
 
     def clean_max_attempts(self) -> int:
-        return _valid(validation.max_attempts, self.cleaned_data["max_attempts"])
+        value = _valid(validation.max_attempts, self.cleaned_data["max_attempts"])
+        # A queued job must have an attempt left (the table's CHECK constraint says so too).
+        if self.instance.pk is not None and value <= self.instance.attempts:
+            raise ValidationError(
+                f"This job has made {self.instance.attempts} attempts: max_attempts must be "
+                f"more than that to leave it one."
+            )
+        return value
 
 
 T = TypeVar("T")
@@ -202,7 +209,11 @@ class JobAdmin(_JobModelAdmin):
         }
         if not changes:
             return
-        updated = Job.objects.filter(pk=obj.pk, status="queued").update(**changes)
+        still = Job.objects.filter(pk=obj.pk, status="queued")
+        if "max_attempts" in changes:
+            # An attempt made since the form was read must still leave one.
+            still = still.filter(attempts__lt=changes["max_attempts"])
+        updated = still.update(**changes)
         if not updated:
             request._pgjobs_not_changed = True  # type: ignore[attr-defined]
 

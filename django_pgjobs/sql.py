@@ -345,12 +345,14 @@ def listen(channel: str) -> Composed:
     return SQL("LISTEN {}").format(Identifier(channel))
 
 
-# An operator's retry of failed jobs: queued again at once with a fresh set of attempts.
+# An operator's retry of failed jobs: queued again at once with a fresh set of attempts (and
+# of releases after outages).
 # Only rows still failed change (a job retried twice, or running again, is left alone); the
 # history (last_error, errors, worker_ids) is kept.
 RETRY: LiteralString = """
 UPDATE pgjobs_job
-SET status = 'queued', run_at = now(), attempts = 0, locked_until = NULL, finished_at = NULL
+SET status = 'queued', run_at = now(), attempts = 0, outage_releases = 0, locked_until = NULL,
+    finished_at = NULL
 WHERE id = ANY(%(ids)s::bigint[]) AND status = 'failed'
 RETURNING id, queue
 """

@@ -60,6 +60,7 @@ NOT_EDITABLE = (
     "attempted_at",
     "finished_at",
     "worker_ids",
+    "outage_releases",
     "payload_pretty",
     "result_pretty",
     "error_full",
@@ -396,6 +397,20 @@ class JobDetailTests(TestCase):
             assert response.status_code == 200, changes
             assert response.context["adminform"].form.errors, changes
             assert job_row(job_id) == before, changes
+
+    def test_max_attempts_must_leave_a_queued_job_an_attempt(self) -> None:
+        # Was a server error (the CHECK constraint refused the UPDATE).
+        job_id = make_job(attempts=2, max_attempts=5)
+        before = job_row(job_id)
+        for value in ("1", "2"):
+            response = self.client.post(job_url(job_id), edit_form(job_id, max_attempts=value))
+            assert response.status_code == 200, value
+            errors = response.context["adminform"].form.errors
+            assert "has made 2 attempts" in str(errors["max_attempts"]), errors
+            assert job_row(job_id) == before
+        response = self.client.post(job_url(job_id), edit_form(job_id, max_attempts="3"))
+        assert response.status_code == 302
+        assert job_row(job_id)["max_attempts"] == 3
 
 
 class ConcurrentEditTests(TransactionTestCase):
