@@ -26,6 +26,7 @@ from typing import Any
 from django.db import connections
 
 from django_pgjobs import conf, sql
+from django_pgjobs.lifecycle import last_line
 
 
 @dataclass
@@ -97,9 +98,8 @@ def overview(alias: str | None = None, *, minutes: int = 60, failures: int = 10)
         for row in sql.run(connection, sql.RECENT_FAILURES, {"limit": failures})
     ]
     for failure in recent:
-        # A traceback says what went wrong on its last line.
-        lines = (failure["last_error"] or "").strip().splitlines()
-        failure["error_line"] = lines[-1] if lines else ""
+        error = failure["last_error"] or ""
+        failure["error_line"] = last_line(error) if error.strip() else ""
     return Overview(
         queues=sorted(queues.values(), key=lambda q: q.queue),
         minutes=sorted(by_minute.values(), key=lambda m: m.minute),

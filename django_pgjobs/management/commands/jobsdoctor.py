@@ -11,6 +11,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from django_pgjobs import doctor
+from django_pgjobs.lifecycle import last_line
 
 
 class Command(BaseCommand):
@@ -84,8 +85,8 @@ class Command(BaseCommand):
             write("  (no live jobs)")
         write(f"Failures in the last hour: {report.failures_last_hour}")
         for failure in report.recent_failures[:5]:
-            error = (failure["last_error"] or "").strip().splitlines()
-            write(f"  job {failure['id']} {failure['task']}: {error[-1] if error else ''}")
+            error = failure["last_error"] or ""
+            write(f"  job {failure['id']} {failure['task']}: {last_line(error) if error else ''}")
         table, settings = report.table, report.settings
         write(
             f"Table pgjobs_job: {table['n_live_tup']} live rows, {table['n_dead_tup']} dead "
