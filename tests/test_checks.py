@@ -51,6 +51,15 @@ BAD: list[tuple[Any, str]] = [
     ({"POLL_INTERVAL": None}, "pgjobs.E002"),
     ({"REAP_INTERVAL": -1}, "pgjobs.E002"),
     ({"SHUTDOWN_TIMEOUT": -0.1}, "pgjobs.E002"),
+    # Values the table or a timedelta cannot hold (the check itself used to raise
+    # OverflowError on an int too large for a float).
+    ({"MAX_ATTEMPTS": 2**31}, "pgjobs.E002"),
+    ({"CONCURRENCY": 2**31}, "pgjobs.E002"),
+    ({"LEASE": 10**400}, "pgjobs.E002"),
+    ({"LEASE": 1e300}, "pgjobs.E002"),
+    ({"POLL_INTERVAL": 1e300}, "pgjobs.E002"),
+    ({"SHUTDOWN_TIMEOUT": float("inf")}, "pgjobs.E002"),
+    ({"BACKOFF_MAX": 1e300}, "pgjobs.E002"),
     ({"MODE": "batch"}, "pgjobs.E004"),
     ({"QUEUE": ""}, "pgjobs.E005"),
     ({"QUEUE": "two words"}, "pgjobs.E005"),
@@ -59,6 +68,9 @@ BAD: list[tuple[Any, str]] = [
     ({"CHANNEL": ""}, "pgjobs.E007"),
     ({"CHANNEL": "c" * 64}, "pgjobs.E007"),
     ({"CHANNEL": None}, "pgjobs.E007"),
+    # PostgreSQL counts an identifier's bytes, not its characters: 80 bytes here.
+    ({"CHANNEL": "é" * 40}, "pgjobs.E007"),
+    ({"CHANNEL": "jobs\x00"}, "pgjobs.E007"),
     ({"IMPORTS": "testproject.testjobs"}, "pgjobs.E008"),
     ({"IMPORTS": [1]}, "pgjobs.E008"),
     ({"BACKOFF_BASE": -1}, "pgjobs.E002"),
@@ -144,6 +156,6 @@ def test_non_postgresql_alias_is_reported() -> None:
 
 def test_every_check_id_is_tested() -> None:
     source = Path(checks.__file__).read_text()
-    declared = set(re.findall(r'id="(pgjobs\.[EW]\d{3})"', source))
+    declared = set(re.findall(r'"(pgjobs\.[EW]\d{3})"', source))
     tested = {check_id for _, check_id in BAD} | {"pgjobs.E010"}
     assert declared == tested
