@@ -11,6 +11,8 @@ from typing import Any
 
 from django.conf import settings
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db.utils import load_backend
 
 from django_pgjobs import conf, validation
 from django_pgjobs.exceptions import InvalidJobOptions
@@ -115,18 +117,33 @@ def backoff_errors(base: object, cap: object, where: str) -> list[checks.CheckMe
 
 
 def check_engine(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
+    """pgjobs.E010 for a queue alias whose backend is not PostgreSQL.
+
+    The test is the backend's ``vendor``, the attribute Django's own PostgreSQL-only
+    features test: a backend built on Django's PostgreSQL one (PostGIS, or a project's
+    subclass) passes whatever its ENGINE is called.
+    """
     errors: list[Any] = []
     for key in ("DATABASE", "LISTEN_DATABASE"):
         alias = conf.get(key)
         if not isinstance(alias, str) or alias not in settings.DATABASES:
             continue
-        engine = settings.DATABASES[alias].get("ENGINE", "")
-        if "postgresql" not in engine:
-            errors.append(
-                checks.Error(
-                    f"PGJOBS[{key!r}] is the alias {alias!r}, whose ENGINE is {engine!r}.",
-                    hint="django-pgjobs needs PostgreSQL: 'django.db.backends.postgresql'.",
-                    id="pgjobs.E010",
-                )
+        engine = settings.DATABASES[alias].get("ENGINE") or "django.db.backends.dummy"
+        try:
+            # What connections[alias] is built from; loading it opens no connection.
+            vendor = load_backend(engine).DatabaseWrapper.vendor
+        except (ImportError, ImproperlyConfigured, AttributeError, TypeError) as exc:
+            problem = f"cannot be loaded ({exc})"
+        else:
+            if vendor == "postgresql":
+                continue
+            problem = f"is a {vendor} backend"
+        errors.append(
+            checks.Error(
+                f"PGJOBS[{key!r}] is the alias {alias!r}, whose ENGINE {engine!r} {problem}.",
+                hint="django-pgjobs needs PostgreSQL: 'django.db.backends.postgresql', or a "
+                "backend built on it (such as PostGIS).",
+                id="pgjobs.E010",
             )
+        )
     return errors

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.core import checks as django_checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
+from django.db.utils import load_backend
 from django.test import override_settings
 
 from django_pgjobs import checks, conf
@@ -152,6 +155,53 @@ def test_non_postgresql_alias_is_reported() -> None:
         assert ids(errors) == ["pgjobs.E010"]
         assert "sqlite" in errors[0].msg
         assert "postgresql" in errors[0].hint
+
+
+POSTGRESQL_BACKENDS = [
+    pytest.param("django.db.backends.postgresql", id="postgresql"),
+    # Django's own backend under a project's name: the checks used to match the ENGINE
+    # string, and refused every such backend (PostGIS included).
+    pytest.param("testproject.pgsubclass", id="subclass-in-the-test-project"),
+    pytest.param("django.contrib.gis.db.backends.postgis", id="postgis"),
+]
+
+
+@pytest.mark.parametrize("engine", POSTGRESQL_BACKENDS)
+@pytest.mark.django_db
+def test_a_backend_built_on_postgresql_passes_whatever_its_engine_is_called(engine: str) -> None:
+    try:
+        backend = load_backend(engine)
+    except ImproperlyConfigured as exc:  # PostGIS's backend loads only where GDAL is installed
+        pytest.skip(f"{engine} cannot be loaded here: {exc}")
+    # A real backend: it connects to the test database and runs a query.
+    params = {**connection.settings_dict, "ENGINE": engine}
+    wrapper = backend.DatabaseWrapper(params, "built_on_postgresql")
+    try:
+        with wrapper.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pgjobs_job")
+            assert cursor.fetchone() == (0,)
+    finally:
+        wrapper.close()
+    databases = {**settings.DATABASES, "built_on_postgresql": params}
+    with (
+        pytest.warns(UserWarning, match="DATABASES"),
+        override_settings(
+            DATABASES=databases,
+            PGJOBS={"DATABASE": "built_on_postgresql", "LISTEN_DATABASE": "built_on_postgresql"},
+        ),
+    ):
+        assert run_all() == []
+
+
+def test_a_backend_that_cannot_be_loaded_is_reported() -> None:
+    databases = {**settings.DATABASES, "gone": {"ENGINE": "nowhere.backend", "NAME": "x"}}
+    with (
+        pytest.warns(UserWarning, match="DATABASES"),
+        override_settings(DATABASES=databases, PGJOBS={"DATABASE": "gone"}),
+    ):
+        errors = run_all()
+    assert ids(errors) == ["pgjobs.E010"]
+    assert "'nowhere.backend'" in errors[0].msg and "cannot be loaded" in errors[0].msg
 
 
 def test_every_check_id_is_tested() -> None:
