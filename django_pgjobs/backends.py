@@ -42,15 +42,21 @@ except ImportError:  # the django-tasks backport
     )
     from django_tasks.backends.base import BaseTaskBackend  # type: ignore[assignment, no-redef, unused-ignore]
     from django_tasks.base import Task, TaskError  # type: ignore[assignment, no-redef, unused-ignore]
-    from django_tasks.exceptions import (  # type: ignore[assignment, no-redef, unused-ignore]
-        InvalidTaskError as InvalidTask,
-    )
     from django_tasks.exceptions import TaskResultDoesNotExist  # type: ignore[assignment, no-redef, unused-ignore]
     from django_tasks.signals import (  # type: ignore[assignment, no-redef, unused-ignore]
         task_enqueued,
         task_finished,
         task_started,
     )
+
+    try:  # the backport after 0.12 uses Django's name
+        from django_tasks.exceptions import (  # type: ignore[attr-defined, no-redef, unused-ignore]
+            InvalidTask,
+        )
+    except ImportError:  # the backport up to 0.12
+        from django_tasks.exceptions import (  # type: ignore[assignment, no-redef, unused-ignore]
+            InvalidTaskError as InvalidTask,
+        )
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job

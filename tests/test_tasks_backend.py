@@ -36,9 +36,13 @@ try:  # Django 6.0+
     from django.tasks.signals import task_enqueued, task_finished, task_started
 except ImportError:  # the django-tasks backport
     from django_tasks import TaskResult, TaskResultStatus, task_backends
-    from django_tasks.exceptions import InvalidTaskError as InvalidTask
     from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
     from django_tasks.signals import task_enqueued, task_finished, task_started
+
+    try:  # the backport after 0.12 uses Django's name
+        from django_tasks.exceptions import InvalidTask
+    except ImportError:
+        from django_tasks.exceptions import InvalidTaskError as InvalidTask
 
 pytestmark = [pytest.mark.tasks]
 
