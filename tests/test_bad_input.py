@@ -227,3 +227,35 @@ def test_a_result_jsonb_cannot_hold_is_refused_and_the_job_stays_running(
             Job.objects.complete(job_id, 1, result=value)
         assert sent.captured_queries == []
         assert job_row(job_id)["status"] == "running"  # the transaction still works
+
+
+@pytest.mark.parametrize(
+    "backoff",
+    [
+        pytest.param((10, 1e300), id="cap-past-any-interval"),
+        pytest.param((float("nan"), 60), id="nan-base"),
+        pytest.param((120, 60), id="cap-below-base"),
+    ],
+)
+def test_a_backoff_the_interval_cannot_hold_is_refused_and_the_job_stays_running(
+    backoff: tuple[float, float],
+) -> None:
+    # Was a DataError ("interval out of range") from the fenced write, aborting the caller.
+    job_id = make_job(status="running", attempts=1, locked_until=dt.timedelta(minutes=5))
+    with transaction.atomic():
+        with (
+            CaptureQueriesContext(connection) as sent,
+            pytest.raises(InvalidJobOptions, match="Invalid backoff"),
+        ):
+            Job.objects.fail(job_id, 1, "boom", backoff=backoff)
+        assert sent.captured_queries == []
+        assert job_row(job_id)["status"] == "running"  # the transaction still works
+
+
+def test_a_prune_cutoff_the_timestamp_cannot_hold_is_refused() -> None:
+    # Was a DataError ("timestamp out of range") from the prune's first batch.
+    refused(
+        InvalidJobOptions,
+        lambda: Job.objects.prune(older_than=dt.timedelta.max),
+        "Invalid older_than",
+    )
