@@ -186,7 +186,8 @@ def test_an_error_text_postgres_cannot_hold_is_recorded_escaped(workers: Workers
     retried = Job.objects.enqueue(undecodable_error, max_attempts=3, priority=10).id
     behind = Job.objects.enqueue_many(noop, [{"n": n} for n in range(20)])
 
-    worker = workers.burst("--concurrency", "4", test_jobs=True, timeout=30)
+    # 22 claims at most: the retried job must not run twice, however slow the run.
+    worker = workers.burst("--concurrency", "4", "--max-jobs", "22", test_jobs=True)
 
     expected = "RuntimeError: cannot open caf\\udce9.txt"
     for job_id, status in ((final, "failed"), (retried, "queued")):
@@ -212,7 +213,7 @@ def test_a_job_calling_sys_exit_is_its_failure(workers: Workers) -> None:
     after = Job.objects.enqueue_many(noop, [{"n": n} for n in range(5)])
 
     # One executor: the jobs after it run only if that executor lives on.
-    worker = workers.burst("--concurrency", "1", test_jobs=True, timeout=30)
+    worker = workers.burst("--concurrency", "1", test_jobs=True)
 
     row = job_row(exits)
     assert (row["status"], row["attempts"], row["locked_until"]) == ("failed", 1, None)
