@@ -234,14 +234,15 @@ class Process:
         )
         return {row[0]: tuple(row[1:]) for row in rows}
 
-    def sent(self, statement: str) -> bool:
+    def sent(self, statement: str, *, waiting: bool = False) -> bool:
         """Whether the latest statement of one of its connections is ``statement`` (compared
-        on its first line: the driver may have bound the parameters into the text)."""
+        on its first line: the driver may have bound the parameters into the text); with
+        ``waiting``, one that is still waiting for a lock."""
         head = statement.strip().splitlines()[0]
         return any(
-            str(row[0]).strip().startswith(head)
-            for row in query(
-                "SELECT query FROM pg_stat_activity "
+            str(text).strip().startswith(head) and (wait == "Lock" or not waiting)
+            for text, wait in query(
+                "SELECT query, wait_event_type FROM pg_stat_activity "
                 "WHERE datname = current_database() AND application_name = %s",
                 [self.app_name],
             )
