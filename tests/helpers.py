@@ -154,18 +154,6 @@ def db_now(using: str = "default") -> datetime:
     return scalar("SELECT now()", using=using)
 
 
-def seconds_from_now(job_id: int, column: str, using: str = "default") -> float:
-    """``column - now()`` in seconds, computed by the database."""
-    assert column in TIME_COLUMNS
-    return float(
-        scalar(
-            f"SELECT extract(epoch FROM {column} - now()) FROM pgjobs_job WHERE id = %s",
-            [job_id],
-            using,
-        )
-    )
-
-
 def status_counts(using: str = "default") -> dict[str, int]:
     return dict(query("SELECT status, count(*) FROM pgjobs_job GROUP BY status", using=using))
 
