@@ -324,13 +324,13 @@ class ReapTests(TransactionTestCase):
             with transaction.atomic():
                 query("SELECT id FROM pgjobs_job WHERE id = ANY(%s) FOR UPDATE", [ids[:3]])
                 locked.set()
-                assert done.wait(30)
+                assert done.wait(PATIENCE)
 
         holder = DbThread(hold_first_three)
         holder.start()
         try:
-            assert locked.wait(10)
-            with statement_timeout(10):
+            assert locked.wait(PATIENCE)
+            with statement_timeout(PATIENCE):
                 reaped = Job.objects.reap(batch_size=3)
         finally:
             done.set()

@@ -27,7 +27,7 @@ def up(worker: Process) -> None:
 
 def stop(worker: Process) -> None:
     worker.send(signal.SIGTERM)
-    assert worker.wait(15) == 0, worker.tail()
+    assert worker.wait() == 0, worker.tail()
 
 
 # -- silence between ticks -----------------------------------------------------------------
