@@ -414,8 +414,8 @@ class ConcurrentEditTests(TransactionTestCase):
             # The page read the job while it was queued; its UPDATE now waits for our lock.
             wait_until(
                 lambda: scalar(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query LIKE %s",
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE %s",
                     ['UPDATE "pgjobs_job" SET "queue"%'],
                 ),
                 message="the admin's UPDATE to wait for the worker's lock",
