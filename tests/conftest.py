@@ -31,7 +31,6 @@ def _threads_finish() -> Iterator[None]:
     notifier.shutdown()
     wait_until(
         lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
-        timeout=10,
         message="the test's threads to finish",
     )
 
