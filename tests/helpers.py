@@ -234,3 +234,13 @@ class DbThread(threading.Thread):
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def nested(depth: int) -> list[Any]:
+    """``depth`` lists, each inside the previous one (a value nested ``depth`` levels deep)."""
+    outer: list[Any] = []
+    inner = outer
+    for _ in range(depth - 1):
+        inner.append([])
+        inner = inner[0]
+    return outer

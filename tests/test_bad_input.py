@@ -26,7 +26,7 @@ from django_pgjobs.exceptions import (
 from django_pgjobs.models import Job
 from testproject.shop.models import Order
 from testproject.testjobs import noop
-from tests.helpers import job_row, make_job
+from tests.helpers import job_row, make_job, nested
 
 pytestmark = pytest.mark.django_db
 
@@ -34,16 +34,6 @@ pytestmark = pytest.mark.django_db
 # the range of a datetime in UTC (the enqueue reads run_at back in UTC).
 PAST_THE_END = dt.datetime.max.replace(tzinfo=dt.timezone(-dt.timedelta(hours=14)))
 BEFORE_THE_START = dt.datetime.min.replace(tzinfo=dt.timezone(dt.timedelta(hours=14)))
-
-
-def nested(depth: int) -> list[Any]:
-    """``depth`` lists, each inside the previous one."""
-    outer: list[Any] = []
-    inner = outer
-    for _ in range(depth - 1):
-        inner.append([])
-        inner = inner[0]
-    return outer
 
 
 def contains_itself() -> list[Any]:

@@ -35,7 +35,16 @@ from django_pgjobs.worker import Worker
 from testproject.shop.models import Order
 from testproject.shop.tasks import double, order_total, returns_a_set, which_attempt
 from testproject.testjobs import noop
-from tests.helpers import db_now, job_row, listening, query, raw_connect, scalar, wait_until
+from tests.helpers import (
+    db_now,
+    job_row,
+    listening,
+    nested,
+    query,
+    raw_connect,
+    scalar,
+    wait_until,
+)
 
 try:  # Django 6.0+
     from django.tasks import TaskResult, TaskResultStatus, task_backends
@@ -228,15 +237,6 @@ def test_arguments_that_are_not_json_values_raise_type_error_and_write_nothing(
     assert enqueued == []
 
 
-def deep(levels: int) -> list[Any]:
-    outer: list[Any] = []
-    inner = outer
-    for _ in range(levels - 1):
-        inner.append([])
-        inner = inner[0]
-    return outer
-
-
 @pytest.mark.parametrize(
     ("args", "where"),
     [
@@ -251,7 +251,7 @@ def deep(levels: int) -> list[Any]:
         pytest.param(
             (10**5000,), r"payload\['args'\]\[0\] is an integer of 5001 digits", id="long-int"
         ),
-        pytest.param((deep(5000),), r"payload\['args'\]\[0\].* more than 100 levels", id="deep"),
+        pytest.param((nested(5000),), r"payload\['args'\]\[0\].* more than 100 levels", id="deep"),
     ],
 )
 @pytest.mark.django_db
