@@ -58,7 +58,6 @@ DEFAULTS: dict[str, Any] = {
 }
 
 MODES = validation.MODES
-NOTIFY_MODES = validation.NOTIFY_MODES
 
 
 def raw() -> object:

@@ -144,7 +144,12 @@ def fences(jobs: Iterable[Claim]) -> dict[str, list[Any]]:
 
 def _payload(text: str) -> tuple[dict[str, Any], str | None]:
     """The claimed row's payload, decoded once; a non-object is reported, never raised."""
-    value = json.loads(text)
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        # jsonb holds what Python will not read back: an integer past Python's digit limit
+        # for conversions, or nesting deeper than its recursion limit.
+        return {}, f"the payload cannot be read back ({type(exc).__name__}: {exc!s:.120})"
     if isinstance(value, dict):
         return value, None
     kind = "null" if value is None else type(value).__name__

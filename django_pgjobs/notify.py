@@ -26,7 +26,7 @@ import contextlib
 import logging
 import multiprocessing.util
 import os
-import select
+import selectors
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -273,7 +273,7 @@ class Listener(threading.Thread):
                     delay = 0.0
                     self.on_wake()
                     self._listen(conn)
-            except psycopg.Error as exc:
+            except Exception as exc:  # psycopg's, or anything else: the listener lives on
                 if self._stopping.is_set():
                     return
                 delay = min(max(delay * 2, 0.5), 30.0)
@@ -287,13 +287,21 @@ class Listener(threading.Thread):
                 self._stopping.wait(delay)
 
     def _listen(self, conn: psycopg.Connection[Any]) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(conn.fileno(), selectors.EVENT_READ)
+            selector.register(self._wake_read, selectors.EVENT_READ)
+            self._wait_for_notifies(conn, selector)
+
+    def _wait_for_notifies(
+        self, conn: psycopg.Connection[Any], selector: selectors.BaseSelector
+    ) -> None:
         while not self._stopping.is_set():
             # Notifications that arrived with the last statement's reply come first; then
             # sleep until the server sends something or stop()/probe() pokes the pipe.
             for note in conn.notifies(timeout=0):
                 if note.payload in self.queues:
                     self.on_wake()
-            ready, _, _ = select.select([conn.fileno(), self._wake_read], [], [])
+            ready = [key.fd for key, _ in selector.select()]
             if self._wake_read in ready:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 4096)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import psycopg
-from django.db import connection
+from django.db import connection, transaction
 
 from django_pgjobs import current_job, job
 
@@ -61,3 +61,21 @@ def drop_own_connection() -> None:
 # Retried at once: the tests wait for the second attempt, not for a backoff.
 connect_elsewhere.backoff = fails_while_handling_a_connection_error.backoff = (0.0, 0.0)
 drop_own_connection.backoff = (0.0, 0.0)
+
+
+@job(max_attempts=2)
+def drop_own_connection_in_atomic() -> None:
+    """As drop_own_connection, inside atomic(): Django reconnects as the block ends."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+
+@job(max_attempts=2)
+def query_then_connect_elsewhere() -> None:
+    """Uses the queue's database, then fails on another server: the job's own failure."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    psycopg.connect("postgresql://postgres@127.0.0.1:1/nowhere", connect_timeout=2).close()
+
+
+drop_own_connection_in_atomic.backoff = query_then_connect_elsewhere.backoff = (0.0, 0.0)

@@ -19,6 +19,7 @@ import pytest
 from django.db import connection
 
 from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.lifecycle import REAP_SETTLE
 from django_pgjobs.models import Job
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker.executor import MAX_OUTAGE_RELEASES
@@ -26,8 +27,10 @@ from scripts.pgserver import ThrowawayPostgres
 from testproject.testjobs import (
     connect_elsewhere,
     drop_own_connection,
+    drop_own_connection_in_atomic,
     fails_while_handling_a_connection_error,
     noop,
+    query_then_connect_elsewhere,
     sleep,
 )
 from tests.helpers import job_row, query, wait_until
@@ -79,18 +82,46 @@ def test_a_payload_that_is_not_an_object_fails_that_job_and_no_other(workers: Wo
         assert "a JSON str" in job_row(bad[1])["last_error"]
 
 
+def test_an_object_payload_python_cannot_read_back_fails_that_job_alone(workers: Workers) -> None:
+    """jsonb holds integers past Python's conversion limit and nesting past its recursion
+    limit; such a row used to crash every worker that claimed it."""
+    good = Job.objects.enqueue_many(noop, [{"n": 1}, {"n": 2}])
+    bad = [
+        row[0]
+        for row in query(
+            "INSERT INTO pgjobs_job (task, payload) VALUES "
+            "(%(task)s, ('{\"n\": ' || repeat('9', 5000) || '}')::jsonb), "
+            "(%(task)s, (repeat('{\"a\": ', 3000) || '1' || repeat('}', 3000))::jsonb) "
+            "RETURNING id",
+            {"task": noop.name},
+        )
+    ]
+    worker = workers.burst("--concurrency", "2")
+    assert worker.popen.returncode == 0
+    assert counts() == {"done": len(good), "failed": len(bad)}
+    for job_id in bad:
+        ((attempts, error),) = query(
+            "SELECT attempts, last_error FROM pgjobs_job WHERE id = %s", [job_id]
+        )
+        assert attempts == 1
+        assert "InvalidPayload" in error and "cannot be read back" in error
+
+
 def test_a_jobs_own_connection_error_is_its_failure(workers: Workers) -> None:
     elsewhere = connect_elsewhere.enqueue()
     in_handler = fails_while_handling_a_connection_error.enqueue()
+    after_a_query = query_then_connect_elsewhere.enqueue()
     worker = workers.start("--concurrency", "2", "--poll-interval", "0.2")
     wait_until(
-        lambda: {job_row(j.id)["status"] for j in (elsewhere, in_handler)} == {"failed"},
+        lambda: (
+            {job_row(j.id)["status"] for j in (elsewhere, in_handler, after_a_query)} == {"failed"}
+        ),
         timeout=60,
         message="both jobs to fail for good",
     )
     worker.send(signal.SIGTERM)
     assert worker.wait(30) == 0
-    for job in (elsewhere, in_handler):
+    for job in (elsewhere, in_handler, after_a_query):
         row = job_row(job.id)
         # Both attempts counted, then failed for good: never released and claimed again.
         assert (row["status"], row["attempts"]) == ("failed", 2), row
@@ -129,6 +160,17 @@ def test_an_outage_of_the_queue_database_is_released_a_bounded_number_of_times(
     assert "released" in worker.log() and "met a database outage; releasing it" in worker.log()
 
 
+def test_a_connection_lost_inside_the_jobs_atomic_block_is_an_outage(workers: Workers) -> None:
+    # Django reconnects as the atomic() block ends on the dead connection: the job's
+    # connection was replaced, though the database itself answers again.
+    job = drop_own_connection_in_atomic.enqueue()
+    worker = workers.start("--concurrency", "1", "--poll-interval", "0.2")
+    wait_until(lambda: scalar_outages(job.id) >= 2, message="the job to be released twice")
+    worker.send(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    assert job_row(job.id)["attempts"] <= 1  # every release gave its attempt back
+
+
 def test_the_single_job_verbs_fence_on_the_claim_time() -> None:
     Job.objects.enqueue(noop, {})
     (first,) = Job.objects.claim("default", limit=1)
@@ -159,10 +201,15 @@ def test_the_single_job_verbs_refuse_a_claim_they_cannot_fence() -> None:
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=False)
-def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(workers: Workers) -> None:
-    """Three workers hold jobs through an outage three times the lease; when the server is
+@pytest.mark.parametrize("outage", ["restart", "refused"])
+def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(
+    workers: Workers, outage: str
+) -> None:
+    """Three workers hold jobs through an outage three times the lease; when the database is
     back, what ran is done and what was to be given back is queued: nothing is failed as
-    expired, not even jobs with a single attempt."""
+    expired, not even jobs with a single attempt. Either the server restarts (nothing is
+    reaped in its first minute), or it stays up, past its first minute, but refuses and
+    drops every connection (each worker reaps nothing for a minute after it saw that)."""
     total = 300
     with ThrowawayPostgres() as pg:
         server = psycopg.connect(pg.url, autocommit=True)
@@ -171,8 +218,20 @@ def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(workers: Workers
             rows = server.execute("SELECT status, count(*) FROM pgjobs_job GROUP BY 1").fetchall()
             return dict(rows)
 
+        def age() -> float:
+            row = server.execute(
+                "SELECT extract(epoch FROM now() - pg_postmaster_start_time())::float8"
+            ).fetchone()
+            return float(row[0]) if row else 0.0
+
         try:
             workers.run("migrate", "--verbosity", "0", database_url=pg.url, timeout=120)
+            if outage == "refused":
+                wait_until(
+                    lambda: age() > REAP_SETTLE.total_seconds() + 1,
+                    timeout=120,
+                    message="the server's first minute to pass",
+                )
             server.execute(
                 "INSERT INTO pgjobs_job (task, payload, max_attempts) "
                 "SELECT %s, jsonb_build_object('seconds', 0.5), 1 FROM generate_series(1, %s)",
@@ -193,11 +252,26 @@ def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(workers: Workers
                 for _ in range(3)
             ]
             wait_until(lambda: status().get("done", 0) >= 20, timeout=60, message="a start")
-            server.close()
-            pg.stop()
-            time.sleep(6)  # the outage itself: three leases long
-            pg.start()
-            server = psycopg.connect(pg.url, autocommit=True)
+            if outage == "restart":
+                server.close()
+                pg.stop()
+                time.sleep(6)  # the outage itself: three leases long
+                pg.start()
+                server = psycopg.connect(pg.url, autocommit=True)
+            else:
+                server.close()
+                # From another database: one cannot refuse connections to one's own.
+                with psycopg.connect(
+                    pg.url.rsplit("/", 1)[0] + "/template1", autocommit=True
+                ) as admin:
+                    admin.execute("ALTER DATABASE postgres ALLOW_CONNECTIONS false")
+                    admin.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = 'postgres' AND backend_type = 'client backend'"
+                    )
+                    time.sleep(6)  # the outage itself: three leases long
+                    admin.execute("ALTER DATABASE postgres ALLOW_CONNECTIONS true")
+                server = psycopg.connect(pg.url, autocommit=True)
             wait_until(lambda: status().get("done", 0) == total, timeout=180, message="all done")
             assert status() == {"done": total}
             expired = server.execute(
@@ -244,7 +318,9 @@ def test_an_idle_listener_sleeps_until_stopped() -> None:
     listener.start()
     try:
         assert connected.wait(30)
-        time.sleep(0.2)  # let it settle into its wait after the catch-up wake-up
+        # Asleep in its wait for the socket or the pipe, past the catch-up wake-up.
+        wchan = Path(f"/proc/self/task/{listener.native_id}/wchan")
+        wait_until(lambda: "poll" in wchan.read_text(), message="the listener to wait")
         before = wakeups(listener)
         time.sleep(2.5)  # two and a half polls of the old one-second timeout
         assert wakeups(listener) == before

@@ -13,6 +13,7 @@ job whose extension changes no row has been taken from us and is marked lost.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class Completer(threading.Thread):
         self._running: dict[int, _Running] = {}
         # Every job this worker claimed and has not yet written an outcome for.
         self._held: dict[int, ClaimedJob] = {}
+        self._last_failure = -math.inf
         self._closing = False
         self._give_up = threading.Event()
 
@@ -75,10 +77,13 @@ class Completer(threading.Thread):
         with self._cond:
             return list(self._held.values())
 
-    def backlog(self) -> int:
-        """Outcomes waiting to be written (more than zero while the database is away)."""
-        with self._cond:
-            return len(self._pending)
+    @property
+    def last_failure(self) -> float:
+        """Monotonic time of this completer's latest failed write (-inf: none yet).
+
+        While the database was away, outcomes waited and leases were not extended: the
+        worker reaps nothing until this is well in the past."""
+        return self._last_failure
 
     def track(self, job: ClaimedJob, ctx: JobContext) -> None:
         with self._cond:
@@ -144,6 +149,7 @@ class Completer(threading.Thread):
                     )
                     return
                 except Exception as exc:
+                    self._last_failure = time.monotonic()
                     if not unavailable(exc):
                         logger.exception("completer error", extra={"action": "complete"})
                     # A fresh direct connection at the next try (a read-only or restarted

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
+from typing import Any, NamedTuple
 
 import psycopg
 from django.db import DatabaseError, InterfaceError, connections
+from django.db.backends.signals import connection_created
+from django.dispatch import receiver
 
 from django_pgjobs import sql
+from django_pgjobs.connections import connection_params
 from django_pgjobs.lifecycle import reason
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -41,26 +46,51 @@ def unavailable(exc: BaseException | None) -> bool:
     return False
 
 
-def queue_database_away(exc: BaseException, alias: str) -> bool:
+_opened = threading.local()
+
+
+@receiver(connection_created)
+def _count_opened(sender: Any, connection: Any, **kwargs: Any) -> None:
+    counts: Counter[str] = getattr(_opened, "counts", None) or Counter()
+    counts[connection.alias] += 1
+    _opened.counts = counts
+
+
+class QueueConnection(NamedTuple):
+    """This thread's connection to the queue's alias at one moment, and how many it opened."""
+
+    connection: Any
+    opened: int
+
+
+def queue_connection(alias: str) -> QueueConnection:
+    counts: Counter[str] = getattr(_opened, "counts", None) or Counter()
+    return QueueConnection(connections[alias].connection, counts[alias])
+
+
+def queue_database_away(exc: BaseException, alias: str, before: QueueConnection) -> bool:
     """Whether a job's error ``exc`` came from an outage of the queue's own database.
 
-    Only then is the attempt given back. The error must say "unavailable" (``unavailable()``)
-    and this thread's own connection to ``alias``, the one the job's queries used, must be
-    found unusable: broken, or answering from a server that cannot write (a standby after a
-    failover). A connection error from any other database or service the job talks to is the
-    job's own failure, and follows its retry policy.
+    Only then is the attempt given back. The error must say "unavailable" (``unavailable()``),
+    and the queue's database must be found away from this thread: the connection the job
+    started with or opened (``before``, from ``queue_connection()``) broke, or was replaced
+    (Django reconnects when an ``atomic()`` block ends on a dead connection), or a fresh
+    connection cannot be opened or finds a server that cannot write (a standby after a
+    failover). A connection error from any other database or service the job talks to, while
+    the queue's database answers, is the job's own failure and follows its retry policy.
     """
     if not unavailable(exc):
         return False
-    conn = connections[alias].connection
-    if conn is None:
-        return False  # the job never used the queue's database in this thread
-    if conn.closed or conn.broken:
+    now = queue_connection(alias)
+    # A connection the job started with, or opened, was lost and replaced meanwhile.
+    replaced = now.opened - before.opened >= (1 if before.connection is not None else 2)
+    if replaced or (now.connection is not None and now.connection.broken):
         return True
-    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-        return False  # inside the job's transaction: the claim in it would have failed first
     try:
-        row = conn.execute(sql.READ_ONLY).fetchone()
+        with psycopg.connect(
+            **connection_params(alias, "pgjobs-probe"), autocommit=True, connect_timeout=5
+        ) as probe:
+            row = probe.execute(sql.READ_ONLY).fetchone()
     except psycopg.Error:
         return True
     return bool(row and row[0])

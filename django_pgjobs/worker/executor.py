@@ -21,7 +21,7 @@ from django_pgjobs import registry, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
 from django_pgjobs.exceptions import InvalidPayload
 from django_pgjobs.lifecycle import ClaimedJob, Failure
-from django_pgjobs.worker.db import queue_database_away
+from django_pgjobs.worker.db import queue_connection, queue_database_away
 from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, Outcome
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -55,6 +55,7 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
         return Outcome(job, FAIL, failure=failure, final=True)
     token = set_current_job(ctx)
     backoff = None
+    before = queue_connection(alias)
     started = time.perf_counter()
     try:
         func = registry.get(job.task)
@@ -67,7 +68,7 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     except BaseException as exc:
         duration = time.perf_counter() - started
         failure = Failure.from_exception(exc)
-        if queue_database_away(exc, alias):
+        if queue_database_away(exc, alias, before):
             if job.outage_releases < MAX_OUTAGE_RELEASES:
                 logger.warning(
                     "job %s %s attempt %s met a database outage; releasing it (attempt not "

@@ -144,15 +144,17 @@ class Worker:
         self._signals += 1
         name = signal.Signals(signum).name
         if self._signals > 1:
-            expired = self._expire_held()
-            logger.warning(
-                "%s again: exiting now; the leases of %s jobs it held end now, and the next "
-                "reap requeues them",
-                name,
-                expired,
-                extra={"action": "shutdown", "worker_id": self.worker_id},
-            )
-            os._exit(1)
+            try:
+                expired = self._expire_held()
+                logger.warning(
+                    "%s again: exiting now; the leases of %s jobs it held end now, and the "
+                    "next reap requeues them",
+                    name,
+                    expired,
+                    extra={"action": "shutdown", "worker_id": self.worker_id},
+                )
+            finally:
+                os._exit(1)
         logger.info(
             "%s: stopping (running jobs may take %.0f s to finish; signal again to exit now)",
             name,
@@ -178,14 +180,14 @@ class Worker:
         if not held:
             return 0
         try:
-            with psycopg.connect(
-                **connection_params(self.database, "pgjobs-exit"),
-                autocommit=True,
-                connect_timeout=EXIT_TIMEOUT,
-                options=f"-c statement_timeout={EXIT_TIMEOUT * 1000}",
-            ) as conn:
+            params = connection_params(self.database, "pgjobs-exit")
+            # The alias's own timeouts and options are kept, within the exit's bound.
+            timeout = min(int(params.get("connect_timeout", EXIT_TIMEOUT)), EXIT_TIMEOUT)
+            params["connect_timeout"] = timeout
+            params["options"] = f"{params.get('options', '')} -c statement_timeout={timeout}s"
+            with psycopg.connect(**params, autocommit=True) as conn:
                 return len(lifecycle.expire_lease(conn, held, synchronous_commit=None))
-        except psycopg.Error:
+        except Exception:
             logger.exception(
                 "could not end the leases of %s jobs; they come back after their lease",
                 len(held),
@@ -255,7 +257,7 @@ class Worker:
         deferred job coming due wakes the producer, so an idle worker is silent."""
         backoff = Backoff("producer")
         settle = lifecycle.REAP_SETTLE.total_seconds()
-        reconnected_at = -math.inf
+        failed_at = -math.inf  # the producer's latest failed statement
         tick = min(self.poll_interval, self.reap_interval or self.poll_interval)
         next_tick = time.monotonic()  # at once: reap a crashed predecessor's jobs, then claim
         last_reap = -math.inf
@@ -285,10 +287,10 @@ class Worker:
                 maybe_more, next_due = True, None
             try:
                 reap = self.reap_interval and now - last_reap >= self.reap_interval - tick / 2
-                # Never reap while holding outcomes the database has not taken yet, nor soon
-                # after an outage: this worker's and every other worker's writes go first,
-                # or jobs that ran to the end would be failed as expired.
-                settled = now - reconnected_at >= settle and not completer.backlog()
+                # Never reap within a settle after an outage this worker saw (a failed claim
+                # or write): its own and every other worker's outcomes and lease extensions
+                # go first, or jobs that ran to the end would be failed as expired.
+                settled = now - max(failed_at, completer.last_failure) >= settle
                 if timed and reap and settled:
                     last_reap = now
                     reaped = self.store.reap()
@@ -305,8 +307,6 @@ class Worker:
                     if got < wanted and not self.burst:
                         # Deferred jobs and retries send no NOTIFY when they come due.
                         next_due = self._next_due()
-                    if backoff.delay:
-                        reconnected_at = time.monotonic()
                     backoff.succeeded(self.database)
                     if got:
                         continue
@@ -314,6 +314,7 @@ class Worker:
                 if not unavailable(exc):
                     raise
                 maybe_more = True
+                failed_at = time.monotonic()
                 self.store.close()
                 backoff.failed(self.database, exc, self.stopping)
                 continue
