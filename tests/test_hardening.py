@@ -287,8 +287,9 @@ def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(
 
 
 def test_a_second_signal_ends_the_leases_it_holds(workers: Workers) -> None:
-    jobs = Job.objects.enqueue_many(sleep, [{"seconds": 30}] * 2)
-    worker = workers.start("--concurrency", "2", "--lease", "300")
+    # Ten-minute jobs and shutdown timeout: only the second signal can end this worker.
+    jobs = Job.objects.enqueue_many(sleep, [{"seconds": 600}] * 2)
+    worker = workers.start("--concurrency", "2", "--lease", "300", "--shutdown-timeout", "600")
     wait_until(lambda: counts().get("running") == 2, timeout=30, message="both running")
     worker.send(signal.SIGINT)
     worker.wait_for_log("SIGINT: stopping")

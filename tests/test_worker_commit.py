@@ -23,7 +23,7 @@ from django_pgjobs.models import Job
 from django_pgjobs.worker.store import Store
 from django_pgjobs.worker.worker import Worker
 from testproject.testjobs import noop
-from tests.helpers import job_row, make_job, raw_connect, scalar
+from tests.helpers import job_row, make_job, raw_connect, scalar, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -237,12 +237,19 @@ def test_off_really_skips_the_flush_at_commit() -> None:
         ids = [running_job() for _ in range(count)]
         before = syncs()
         with raw_connect() as conn:
+            pid = conn.info.backend_pid
             for job_id in ids:
                 params = {
                     "claims": json.dumps([{"id": job_id, "attempts": 1}]),
                     "synchronous_commit": setting,
                 }
                 assert conn.execute(sql.COMPLETE, params).fetchall() == [(job_id,)]
+        # A backend hands its WAL counts to the shared statistics as it exits, before it
+        # leaves pg_stat_activity: read them once it has gone.
+        wait_until(
+            lambda: not scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid]),
+            message="the completing session to end",
+        )
         return syncs() - before
 
     flushed = completions("on")

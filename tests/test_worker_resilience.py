@@ -49,6 +49,9 @@ def test_sigkill_mid_run_then_reap_and_a_fresh_worker_finish_everything(
 
     worker.send(signal.SIGKILL)
     assert worker.wait() == -signal.SIGKILL
+    # A statement the worker sent just before it died still runs to its end on the server
+    # (a claim among them): look once its sessions are gone.
+    wait_until(lambda: not worker.backends(), message="the killed worker's sessions to end")
     at_kill = {
         row[0]: row[1]
         for row in query("SELECT id, attempts FROM pgjobs_job WHERE status = 'running'")
