@@ -38,6 +38,9 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # An `every` schedule ticks at most once a second: each tick is a statement per worker.
 MIN_EVERY = timedelta(seconds=1)
 _ONE_MICROSECOND = timedelta(microseconds=1)
+# How far before now the cron walk starts: longer than any DST shift, so that the ticks of a
+# changed wall clock are seen in the order they happen.
+CRON_LOOKBACK = timedelta(hours=3)
 # The keys of a PGJOBS["SCHEDULE"] entry.
 SETTING_KEYS = ("task", "cron", "every", "kwargs", "timezone", "priority", "queue")
 
@@ -192,12 +195,26 @@ def ticks(schedule: Schedule, now: datetime) -> tuple[datetime, datetime]:
         every = schedule.interval
         latest = EPOCH + ((now - EPOCH) // every) * every
         return latest, latest + every
-    local = now.astimezone(schedule.zone)
-    # cronsim steps strictly before (reverse) or after its start; a microsecond past now makes
-    # a tick at exactly now count as the latest.
-    latest = next(CronSim(schedule.cron, local + _ONE_MICROSECOND, reverse=True))
-    following = next(CronSim(schedule.cron, local))
-    return latest.astimezone(UTC), following.astimezone(UTC)
+    # Walk forward from a little before now, in the schedule's zone: a fall-back night makes
+    # a wall-clock time come twice, and only its first pass is a tick (cronsim's, and cron's,
+    # rule), so a candidate that is not later than the previous one is skipped.
+    start = (now - CRON_LOOKBACK).astimezone(schedule.zone)
+    latest: datetime | None = None
+    previous: datetime | None = None
+    for candidate in CronSim(schedule.cron, start):
+        at = candidate.astimezone(UTC)
+        if previous is not None and at <= previous:
+            continue
+        previous = at
+        if at > now:
+            break
+        latest = at
+    assert previous is not None and previous > now
+    if latest is None:
+        # No tick in the look-back: the latest is further back (a daily or rarer schedule).
+        latest = next(CronSim(schedule.cron, start + _ONE_MICROSECOND, reverse=True))
+        latest = latest.astimezone(UTC)
+    return latest, previous
 
 
 def _cron_error(expression: object) -> str | None:
@@ -255,7 +272,7 @@ def periodic(
 
     def declare(target: T) -> T:
         task_name, task_object = _task_of(target)
-        _add(
+        _declared.append(
             Schedule(
                 name=name if name is not None else task_name,
                 task=task_name,
@@ -285,16 +302,6 @@ def _task_of(target: object) -> tuple[str, Any]:
         f"@periodic cannot schedule {target!r}: put it above @job (or above a django.tasks "
         "@task), so that it receives the registered job."
     )
-
-
-def _add(schedule: Schedule) -> None:
-    # A module imported twice declares again: replace the earlier declaration of the same
-    # schedule rather than report a duplicate.
-    for index, existing in enumerate(_declared):
-        if existing.origin == schedule.origin and existing.name == schedule.name:
-            _declared[index] = schedule
-            return
-    _declared.append(schedule)
 
 
 def from_setting() -> Iterator[Schedule]:
