@@ -193,8 +193,8 @@ def ticks(schedule: Schedule, now: datetime) -> tuple[datetime, datetime]:
     """The latest tick at or before ``now`` and the next one after it, both in UTC."""
     if schedule.cron is None:
         every = schedule.interval
-        latest = EPOCH + ((now - EPOCH) // every) * every
-        return latest, latest + every
+        tick = EPOCH + ((now - EPOCH) // every) * every
+        return tick, tick + every
     # Walk forward from a little before now, in the schedule's zone: a fall-back night makes
     # a wall-clock time come twice, and only its first pass is a tick (cronsim's, and cron's,
     # rule), so a candidate that is not later than the previous one is skipped.
