@@ -160,6 +160,9 @@ class JobAdmin(_JobModelAdmin):
         "attempted_at",
         "finished_at",
         "worker_ids",
+        # A periodic job's schedule and the tick it serves (empty for any other job).
+        "schedule",
+        "scheduled_at",
         "payload_pretty",
         "result_pretty",
         "error_full",

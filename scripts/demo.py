@@ -426,6 +426,7 @@ def periodic_run(demo_url: str) -> list[tuple[Any, ...]]:
     )
     env = {**os.environ, "DATABASE_URL": demo_url, "PYTHONUNBUFFERED": "1"}
     env["PGJOBS_LOG_LEVEL"] = "INFO"
+    env.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
     workers = []
     pumps = []
     for number in (1, 2):
@@ -443,7 +444,7 @@ def periodic_run(demo_url: str) -> list[tuple[Any, ...]]:
         def pump(proc: subprocess.Popen[str] = proc, number: int = number) -> None:
             assert proc.stderr is not None
             for line in proc.stderr:
-                if "enqueued as job" in line or "Traceback" in line or " ERROR " in line:
+                if "enqueued as job" in line or "Error" in line or " ERROR " in line:
                     message = line.rstrip().split("django_pgjobs.scheduler: ")[-1]
                     print(f"  [worker {number}] {message}", flush=True)
 
