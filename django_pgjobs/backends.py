@@ -17,13 +17,15 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from django.apps import apps
 from django.conf import settings
 from django.core import checks as django_checks
+from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 from django_pgjobs import checks, conf, registry, validation
 from django_pgjobs.context import current_job
-from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
+from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
 from django_pgjobs.managers import Failure
 from django_pgjobs.registry import JobFunction
 
@@ -42,9 +44,6 @@ except ImportError:  # the django-tasks backport
     )
     from django_tasks.backends.base import BaseTaskBackend  # type: ignore[assignment, no-redef, unused-ignore]
     from django_tasks.base import Task, TaskError  # type: ignore[assignment, no-redef, unused-ignore]
-    from django_tasks.exceptions import (  # type: ignore[assignment, no-redef, unused-ignore]
-        InvalidTaskError as InvalidTask,
-    )
     from django_tasks.exceptions import TaskResultDoesNotExist  # type: ignore[assignment, no-redef, unused-ignore]
     from django_tasks.signals import (  # type: ignore[assignment, no-redef, unused-ignore]
         task_enqueued,
@@ -52,10 +51,19 @@ except ImportError:  # the django-tasks backport
         task_started,
     )
 
+    try:  # the backport after 0.12 uses Django's name
+        from django_tasks.exceptions import (  # type: ignore[attr-defined, no-redef, unused-ignore]
+            InvalidTask,
+        )
+    except ImportError:  # the backport up to 0.12
+        from django_tasks.exceptions import (  # type: ignore[assignment, no-redef, unused-ignore]
+            InvalidTaskError as InvalidTask,
+        )
+
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
 
-__all__ = ["PgJobsBackend"]
+__all__ = ["InvalidTaskArguments", "PgJobsBackend"]
 
 STATUSES = {
     "queued": TaskResultStatus.READY,
@@ -64,6 +72,28 @@ STATUSES = {
     "failed": TaskResultStatus.FAILED,
 }
 OPTIONS = ("DATABASE", "MAX_ATTEMPTS", "BACKOFF_BASE", "BACKOFF_MAX")
+NOT_INSTALLED = (
+    "add 'django_pgjobs' to INSTALLED_APPS: the backend keeps tasks in its jobs table, "
+    "which that app's migrations create, and runjobs (the worker) is its command."
+)
+
+
+class InvalidTaskArguments(InvalidTask, InvalidPayload):
+    """A task's arguments hold a value that cannot be stored as JSON.
+
+    An ``InvalidTask``, as the framework's contract says of a task it cannot enqueue, and a
+    ``TypeError`` (through ``InvalidPayload``), as Django's own backends raise for such
+    arguments: code that catches either keeps working.
+    """
+
+
+def _job_model() -> type[Job]:
+    """The jobs table, or a clear error when the app that owns it is not installed."""
+    if not apps.is_installed("django_pgjobs"):
+        raise ImproperlyConfigured(f"The django.tasks backend of django-pgjobs: {NOT_INSTALLED}")
+    from django_pgjobs.models import Job
+
+    return Job
 
 
 class TaskRunner:
@@ -124,13 +154,13 @@ class PgJobsBackend(BaseTaskBackend):
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
-        base, cap = conf.backoff()
-        self.database: str = self.options.get("DATABASE") or conf.database()
-        self.max_attempts: int = self.options.get("MAX_ATTEMPTS") or conf.max_attempts()
-        # Validated by check(); read as given so a bad value is reported, not a crash.
+        # Read as given (OPTIONS, else PGJOBS), so that check() reports a bad value by name
+        # rather than the backend failing to load; the enqueue validates what it uses.
+        self.database: str = self.options.get("DATABASE") or conf.get("DATABASE")
+        self.max_attempts: Any = self.options.get("MAX_ATTEMPTS", conf.get("MAX_ATTEMPTS"))
         self.backoff: tuple[Any, Any] = (
-            self.options.get("BACKOFF_BASE", base),
-            self.options.get("BACKOFF_MAX", cap),
+            self.options.get("BACKOFF_BASE", conf.get("BACKOFF_BASE")),
+            self.options.get("BACKOFF_MAX", conf.get("BACKOFF_MAX")),
         )
 
     def validate_task(self, task: Task[..., Any]) -> None:
@@ -160,49 +190,53 @@ class PgJobsBackend(BaseTaskBackend):
             )
         )
 
-    def _usable_backoff(self) -> tuple[float, float]:
-        """OPTIONS' backoff if it is valid, else the settings' (check() reports the bad one)."""
+    def _usable_backoff(self) -> tuple[float, float] | None:
+        """This backend's backoff if it is valid, else None: the PGJOBS settings' at the time
+        of the failure (check() reports the bad one)."""
         try:
-            base, cap = (float(value) for value in self.backoff)
-        except (TypeError, ValueError):
-            return conf.backoff()
-        if checks.backoff_errors(base, cap, "") or min(base, cap) < 0:
-            return conf.backoff()
-        return base, cap
+            return validation.backoff(*self.backoff)
+        except InvalidJobOptions:
+            return None
 
     def enqueue(
         self, task: Task[..., Any], args: Iterable[Any], kwargs: dict[str, Any]
     ) -> TaskResult[Any, Any]:
         """Insert the task's row in the caller's transaction (visible, and NOTIFYing, on commit).
 
-        Arguments must be JSON values: anything else raises ``TypeError`` naming it.
+        Arguments must be JSON values that jsonb can store: anything else raises
+        ``InvalidTaskArguments`` (an ``InvalidTask`` and a ``TypeError``) naming it. Options
+        out of range (``run_after``, ``OPTIONS``) raise ``InvalidTask``. Either is raised
+        before anything is sent to the database.
         """
-        from django_pgjobs.models import Job
-
+        job_model = _job_model()
         self.validate_task(task)
         payload = {"args": list(args), "kwargs": dict(kwargs), "backend": self.alias}
-        job = Job.objects.db_manager(self.database).enqueue(
-            task.module_path,
-            payload,
-            queue=task.queue_name,
-            # The framework accepts any whole number (5.0 too); the column is an integer.
-            priority=int(task.priority),
-            run_at=task.run_after,
-            max_attempts=self.max_attempts,
-        )
+        try:
+            job = job_model.objects.db_manager(self.database).enqueue(
+                task.module_path,
+                payload,
+                queue=task.queue_name,
+                # The framework accepts any whole number (5.0 too); the column is an integer.
+                priority=int(task.priority),
+                run_at=task.run_after,
+                max_attempts=self.max_attempts,
+            )
+        except InvalidPayload as exc:
+            raise InvalidTaskArguments(str(exc)) from exc
+        except InvalidJobOptions as exc:
+            raise InvalidTask(str(exc)) from exc
         result = self._result(task, job)
         task_enqueued.send(type(self), task_result=result)
         return result
 
     def get_result(self, result_id: str) -> TaskResult[Any, Any]:
         """The task's current state, read from its row; ``TaskResultDoesNotExist`` if none."""
-        from django_pgjobs.models import Job
-
+        job_model = _job_model()
         try:
             job_id = int(result_id)
         except (TypeError, ValueError):
             raise TaskResultDoesNotExist(f"No task result {result_id!r}.") from None
-        job = Job.objects.using(self.database).filter(pk=job_id).first()
+        job = job_model.objects.using(self.database).filter(pk=job_id).first()
         if job is None:
             raise TaskResultDoesNotExist(f"No task result {result_id!r}.")
         try:
@@ -252,6 +286,13 @@ class PgJobsBackend(BaseTaskBackend):
 
     def _problems(self) -> Iterable[django_checks.CheckMessage]:
         where = f"TASKS[{self.alias!r}]"
+        if not apps.is_installed("django_pgjobs"):
+            yield django_checks.Error(
+                f"{where} uses django_pgjobs.backends.PgJobsBackend, but 'django_pgjobs' is "
+                "not in INSTALLED_APPS.",
+                hint=NOT_INSTALLED[0].upper() + NOT_INSTALLED[1:],
+                id="pgjobs.E025",
+            )
         for key in self.options:
             if key not in OPTIONS:
                 yield django_checks.Error(
@@ -269,19 +310,30 @@ class PgJobsBackend(BaseTaskBackend):
             try:
                 validation.queue_name(queue)
             except InvalidJobOptions as exc:
-                yield django_checks.Error(f"{where}['QUEUES']: {exc}", id="pgjobs.E022")
-        max_attempts = self.options.get("MAX_ATTEMPTS", self.max_attempts)
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            yield django_checks.Error(
-                f"{where}['OPTIONS']['MAX_ATTEMPTS'] is {max_attempts!r}.",
-                hint="Use a whole number of 1 or more.",
-                id="pgjobs.E023",
-            )
-        for name, value in zip(("BACKOFF_BASE", "BACKOFF_MAX"), self.backoff, strict=True):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 yield django_checks.Error(
-                    f"{where}['OPTIONS'][{name!r}] is {value!r}.",
-                    hint="Use a number of seconds of 0 or more.",
-                    id="pgjobs.E024",
+                    f"{where}['QUEUES']: {exc}",
+                    hint="Each queue in QUEUES is a django-pgjobs queue of that name.",
+                    id="pgjobs.E022",
                 )
+        # The PGJOBS values these default to are checked as settings (pgjobs.E002).
+        if "MAX_ATTEMPTS" in self.options:
+            try:
+                validation.max_attempts(
+                    self.options["MAX_ATTEMPTS"], f"{where}['OPTIONS']['MAX_ATTEMPTS']"
+                )
+            except InvalidJobOptions as exc:
+                yield django_checks.Error(
+                    str(exc), hint="The attempts a task gets before it fails.", id="pgjobs.E023"
+                )
+        for name, value in zip(("BACKOFF_BASE", "BACKOFF_MAX"), self.backoff, strict=True):
+            try:
+                validation.seconds(f"{where}['OPTIONS'][{name!r}]", value)
+            except InvalidJobOptions as exc:
+                if name in self.options:
+                    yield django_checks.Error(
+                        str(exc),
+                        hint="The retry delay after attempt n is BACKOFF_BASE * 2^n seconds, "
+                        "at most BACKOFF_MAX.",
+                        id="pgjobs.E024",
+                    )
         yield from checks.backoff_errors(*self.backoff, where)

@@ -1,8 +1,10 @@
 """The only reader of settings.
 
 Everything lives in one dict, ``settings.PGJOBS``; each key has a default and is read on
-access, so ``override_settings`` works. ``checks.py`` validates the values; the reference page
-``docs/reference/settings.md`` documents each one.
+access, so ``override_settings`` works. Each key has one validator (``validation.SETTINGS``):
+the typed readers below apply it, so a bad value raises ``InvalidJobOptions`` naming the
+setting wherever it is used, and ``checks.py`` applies the same validators at start-up. The
+reference page ``docs/reference/settings.md`` documents each one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+
+from django_pgjobs import validation
 
 DEFAULTS: dict[str, Any] = {
     # The database alias the queue lives in.
@@ -56,8 +60,8 @@ DEFAULTS: dict[str, Any] = {
     "SCHEDULE": {},
 }
 
-MODES = ("lease", "transaction")
-NOTIFY_MODES = ("auto", "background", "inline")
+MODES = validation.MODES
+NOTIFY_MODES = validation.NOTIFY_MODES
 
 
 def raw() -> object:
@@ -71,66 +75,89 @@ def _user_settings() -> dict[str, Any]:
 
 
 def get(name: str) -> Any:
-    """One setting's value: the user's if set, else the default."""
+    """One setting's value as written: the user's if set, else the default (not validated)."""
     return _user_settings().get(name, DEFAULTS[name])
 
 
+def value(name: str) -> Any:
+    """One setting's value, validated: ``InvalidJobOptions`` names the setting if it is bad."""
+    return validation.SETTINGS[name](get(name))
+
+
 def database() -> str:
-    return str(get("DATABASE"))
+    return str(value("DATABASE"))
+
+
+def listen_database() -> str | None:
+    alias: str | None = value("LISTEN_DATABASE")
+    return alias
 
 
 def channel() -> str:
+    # Read as written: a NOTIFY is only a hint, and one the server refuses after a commit is
+    # logged, never raised at the caller. The system check (pgjobs.E007) reports a bad one.
     return str(get("CHANNEL"))
 
 
 def default_queue() -> str:
-    return str(get("QUEUE"))
+    return str(value("QUEUE"))
 
 
 def max_attempts() -> int:
-    return int(get("MAX_ATTEMPTS"))
+    return int(value("MAX_ATTEMPTS"))
 
 
 def backoff() -> tuple[float, float]:
     """(base, cap) in seconds of the retry delay after a failed attempt."""
-    return float(get("BACKOFF_BASE")), float(get("BACKOFF_MAX"))
+    return validation.backoff(
+        value("BACKOFF_BASE"), value("BACKOFF_MAX"), "PGJOBS['BACKOFF_BASE'] / ['BACKOFF_MAX']"
+    )
 
 
 def lease() -> timedelta:
-    return timedelta(seconds=float(get("LEASE")))
+    return timedelta(seconds=value("LEASE"))
 
 
 def concurrency() -> int:
-    return int(get("CONCURRENCY"))
+    return int(value("CONCURRENCY"))
 
 
 def batch_size() -> int:
-    return int(get("BATCH_SIZE"))
+    return int(value("BATCH_SIZE"))
 
 
 def poll_interval() -> float:
-    return float(get("POLL_INTERVAL"))
+    return float(value("POLL_INTERVAL"))
 
 
 def reap_interval() -> float:
-    return float(get("REAP_INTERVAL"))
+    return float(value("REAP_INTERVAL"))
 
 
 def mode() -> str:
-    return str(get("MODE"))
+    return str(value("MODE"))
+
+
+def notify() -> str:
+    return str(value("NOTIFY"))
 
 
 def shutdown_timeout() -> float:
-    return float(get("SHUTDOWN_TIMEOUT"))
+    return float(value("SHUTDOWN_TIMEOUT"))
 
 
 def worker_synchronous_commit() -> str | None:
-    value = get("WORKER_SYNCHRONOUS_COMMIT")
-    return None if value is None else str(value)
+    commit: str | None = value("WORKER_SYNCHRONOUS_COMMIT")
+    return commit
 
 
 def prepare() -> bool:
-    return bool(get("PREPARE"))
+    return bool(value("PREPARE"))
+
+
+def imports() -> list[str]:
+    modules: list[str] = value("IMPORTS")
+    return modules
 
 
 def schedule() -> object:

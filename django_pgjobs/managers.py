@@ -203,7 +203,7 @@ class JobManager(models.Manager["Job"]):
         # transaction ("auto"); under manual transaction management (set_autocommit(False))
         # Django has no on_commit, and PostgreSQL delivers it when the caller commits.
         here = not connection.in_atomic_block and (
-            conf.get("NOTIFY") == "auto" or not connection.get_autocommit()
+            conf.notify() == "auto" or not connection.get_autocommit()
         )
         params = {
             **fields,
@@ -242,8 +242,7 @@ class JobManager(models.Manager["Job"]):
         validation.queue_name(queue)
         validation.positive_int("limit", limit)
         lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
-        if mode not in conf.MODES:
-            raise InvalidJobOptions(f"Invalid mode {mode!r}: use 'lease' or 'transaction'.")
+        validation.mode(mode)
         connection = self.connection()
         if mode == "lease" and connection.in_atomic_block:
             raise TransactionManagementError(
@@ -339,7 +338,9 @@ class JobManager(models.Manager["Job"]):
             claim: Claim = item[0] if len(item) == 2 else (item[0], item[1])
             job_id = lifecycle.fence_of(claim)[0]
             failure = Failure.of(item[-1])
-            delay = (backoff or {}).get(job_id, default)
+            delay = (
+                validation.backoff(*backoff[job_id]) if backoff and job_id in backoff else default
+            )
             attempts.append(FailedAttempt(claim, failure, delay))
         return lifecycle.fail(self.connection(), attempts, synchronous_commit=None)
 
@@ -435,10 +436,11 @@ class JobManager(models.Manager["Job"]):
                 f"Cannot prune status {bad or statuses!r}: use 'done', 'failed' or 'all'; "
                 "queued and running jobs are never pruned."
             )
-        if not isinstance(older_than, timedelta) or older_than < timedelta(0):
+        if not isinstance(older_than, timedelta):
             raise InvalidJobOptions(
                 f"Invalid older_than {older_than!r}: use a timedelta of zero or more."
             )
+        validation.duration("older_than", older_than)
         validation.positive_int("batch_size", batch_size)
         connection = self.connection()
         statement = sql.PRUNE_ARCHIVE if archive else sql.PRUNE

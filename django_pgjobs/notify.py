@@ -227,6 +227,8 @@ class Listener(threading.Thread):
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+        self._pipe_lock = threading.Lock()
+        self._pipe_closed = False
 
     def stop(self) -> None:
         self._stopping.set()
@@ -238,16 +240,21 @@ class Listener(threading.Thread):
         self._poke()
 
     def _poke(self) -> None:
-        # A full pipe already holds a wake-up; a closed one means the thread has ended.
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_write, b"x")
+        # Under the lock that closes the pipe: once closed, its numbers may already belong to
+        # another file. A full pipe already holds a wake-up.
+        with self._pipe_lock:
+            if not self._pipe_closed:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_write, b"x")
 
     def run(self) -> None:
         try:
             self._run()
         finally:
-            os.close(self._wake_read)
-            os.close(self._wake_write)
+            with self._pipe_lock:
+                self._pipe_closed = True
+                os.close(self._wake_read)
+                os.close(self._wake_write)
 
     def _run(self) -> None:
         delay = 0.0

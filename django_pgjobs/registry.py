@@ -91,6 +91,8 @@ def job(
     enqueued without them (``queue`` falls back to ``PGJOBS["QUEUE"]``, ``max_attempts`` to
     ``PGJOBS["MAX_ATTEMPTS"]``). The function is called with its payload as keyword arguments.
     """
+    if name is not None:
+        validation.task_name(name)
     if queue is not None:
         validation.queue_name(queue)
     if max_attempts is not None:
@@ -134,6 +136,7 @@ def register(wrapper: JobFunction[..., Any]) -> None:
     Two different functions (a @job and a @task included) under one name are refused: the
     rows already in the table could not say which one they meant.
     """
+    validation.task_name(wrapper.name)
     existing = _registry.get(wrapper.name)
     if existing is not None and _origin(existing.func) != _origin(wrapper.func):
         raise ValueError(
@@ -162,6 +165,10 @@ def resolve(task: str | Callable[..., Any]) -> JobFunction[..., Any]:
         return get(task.name)
     if isinstance(task, str):
         return get(task)
+    if not callable(task):
+        raise UnknownTask(
+            f"{validation.show(task)} is not a task: pass a @job function or its registered name."
+        )
     for registered in _registry.values():
         if registered.func is task:
             return registered

@@ -1,12 +1,22 @@
-"""Checks on what callers hand us, done before anything is written."""
+"""Checks on what callers hand us, done before anything is written.
+
+Each value has one validator here, which returns the value (normalized) or raises
+``InvalidJobOptions`` / ``InvalidPayload`` naming it. The enqueue, the claim and the worker
+call them for their arguments; ``SETTINGS`` holds the validator of each ``PGJOBS`` key, which
+``conf`` applies when a setting is read and the system checks apply at start-up. Nothing
+here touches the database: a refusal never reaches PostgreSQL, so it never aborts the
+caller's transaction.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+from typing import Any, TypeAlias
 
 from django.conf import settings
 from django.utils import timezone
@@ -15,68 +25,189 @@ from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, InvalidR
 
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 PRIORITY_RANGE = range(-100, 101)
+# The largest value of a PostgreSQL integer column (max_attempts, attempts).
+MAX_WHOLE = 2**31 - 1
+# Longer than any sensible delay, lease or interval, and well inside PostgreSQL's interval
+# range (and threading's longest wait).
+MAX_DURATION = timedelta(days=36_500)
+MAX_SECONDS = MAX_DURATION.total_seconds()
+# The retry delay is base * 2^min(attempts, 30) before the cap: keep it an interval
+# PostgreSQL can hold.
+MAX_BACKOFF_BASE = 86_400.0
+# How deep dicts and lists may nest in a payload or a result, the payload itself being the
+# first level. Deeper data is almost always a mistake (an object graph, a structure that
+# contains itself), and Python's JSON encoder and decoder recurse once per level.
+MAX_DEPTH = 100
+# The longest integer a payload may hold: Python's default limit for converting an int to
+# text and back (sys.get_int_max_str_digits()), so the worker can always decode the payload.
+MAX_INT_DIGITS = 4300
+_INT_LIMIT = 10**MAX_INT_DIGITS
+_NEGATIVE_INT_LIMIT = -_INT_LIMIT
+# PostgreSQL truncates identifiers (the NOTIFY channel) to 63 bytes and refuses longer ones.
+MAX_CHANNEL_BYTES = 63
+
+MODES = ("lease", "transaction")
+NOTIFY_MODES = ("auto", "background", "inline")
+# PostgreSQL's values of synchronous_commit (None: leave the session's setting alone).
+SYNCHRONOUS_COMMIT = (None, "off", "local", "on", "remote_write", "remote_apply")
 
 
-def queue_name(queue: object) -> str:
-    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+def show(value: object) -> str:
+    """A short repr for a message; an integer too long to print is described instead."""
+    if isinstance(value, int) and not _NEGATIVE_INT_LIMIT < value < _INT_LIMIT:
+        return f"(an integer of {_digits(value)} digits)"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _digits(value: int) -> int:
+    """The number of decimal digits of ``value``, without converting it to text."""
+    number = abs(value)
+    digits = int((number.bit_length() - 1) * math.log10(2)) + 1
+    return digits + 1 if number >= 10**digits else digits
+
+
+# -- options -------------------------------------------------------------------------------
+
+
+def whole_number(name: str, value: object, *, minimum: int = 1, maximum: int = MAX_WHOLE) -> int:
+    """An int (not a bool) from ``minimum`` to ``maximum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidJobOptions(
-            f"Invalid queue name {queue!r}: use 1-100 letters, digits, '_', '-', '.' or ':'."
+            f"Invalid {name} {show(value)}: use a whole number of {minimum} or more."
         )
-    return queue
+    if value > maximum:
+        column = " (the largest a PostgreSQL integer holds)" if maximum == MAX_WHOLE else ""
+        raise InvalidJobOptions(
+            f"Invalid {name} {show(value)}: use a whole number of at most {maximum}{column}."
+        )
+    return value
+
+
+def positive_int(name: str, value: object) -> int:
+    """A whole number of 1 or more that a PostgreSQL integer holds (limits, batch sizes)."""
+    return whole_number(name, value)
+
+
+def max_attempts(value: object, name: str = "max_attempts") -> int:
+    return whole_number(name, value)
 
 
 def priority(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value not in PRIORITY_RANGE:
         raise InvalidJobOptions(
-            f"Invalid priority {value!r}: use a whole number from -100 to 100 (larger runs first)."
+            f"Invalid priority {show(value)}: use a whole number from -100 to 100 (larger "
+            "runs first)."
         )
     return value
 
 
-def max_attempts(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidJobOptions(f"Invalid max_attempts {value!r}: use a whole number of 1 or more.")
-    return value
-
-
-def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidJobOptions(f"Invalid {name} {value!r}: use a whole number of 1 or more.")
-    return value
-
-
-# PostgreSQL's values of synchronous_commit (None: leave the session's setting alone).
-SYNCHRONOUS_COMMIT = (None, "off", "local", "on", "remote_write", "remote_apply")
-
-
-def synchronous_commit(value: object) -> str | None:
-    if value not in SYNCHRONOUS_COMMIT:
+def seconds(
+    name: str,
+    value: object,
+    *,
+    minimum: float = 0.0,
+    strict: bool = False,
+    maximum: float = MAX_SECONDS,
+) -> float:
+    """A number of seconds (or a timedelta) from ``minimum`` (excluded if ``strict``) to
+    ``maximum``, as a float. NaN, infinities and integers too large for a float are refused."""
+    number = value.total_seconds() if isinstance(value, timedelta) else value
+    # int and float compare exactly in Python, however large the int; NaN compares false.
+    if (
+        isinstance(number, bool)
+        or not isinstance(number, (int, float))
+        or not (minimum < number if strict else minimum <= number)
+        or not number <= maximum
+    ):
+        low = f"more than {minimum:g}" if strict else f"at least {minimum:g}"
+        high = "100 years" if maximum == MAX_SECONDS else f"{maximum:g} s"
         raise InvalidJobOptions(
-            f"Invalid synchronous_commit {value!r}: use None (the server's setting) or one of "
-            "'off', 'local', 'on', 'remote_write', 'remote_apply'."
+            f"Invalid {name} {show(value)}: use a number of seconds or a timedelta, {low} "
+            f"and at most {high}."
         )
-    return value
+    return float(number)
 
 
-# Longer than any sensible delay or lease, and well inside PostgreSQL's interval range.
-MAX_DURATION = timedelta(days=36_500)
-
-
-def _duration(value: object) -> object:
-    """Seconds as a timedelta; NaN, infinite or absurd numbers stay as they are (refused)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if math.isfinite(value) and abs(value) <= MAX_DURATION.total_seconds():
-            return timedelta(seconds=value)
-    return value
+def duration(name: str, value: object, *, minimum: float = 0.0, strict: bool = False) -> timedelta:
+    """``seconds()``, as a timedelta (a timedelta passed in is returned as it is)."""
+    number = seconds(name, value, minimum=minimum, strict=strict)
+    return value if isinstance(value, timedelta) else timedelta(seconds=number)
 
 
 def positive_duration(name: str, value: object) -> timedelta:
-    value = _duration(value)
-    if not isinstance(value, timedelta) or not timedelta(0) < value <= MAX_DURATION:
+    """A timedelta or number of seconds above 0 and at most 100 years (leases)."""
+    return duration(name, value, strict=True)
+
+
+def choice(name: str, value: object, allowed: tuple[object, ...]) -> Any:
+    """One of ``allowed``, of the same type too: 1 == True, but PREPARE = 1 is a mistake."""
+    if not any(value == a and type(value) is type(a) for a in allowed):
         raise InvalidJobOptions(
-            f"Invalid {name} {value!r}: use a positive timedelta or number of seconds, at "
-            "most 100 years."
+            f"Invalid {name} {show(value)}: use {' or '.join(repr(a) for a in allowed)}."
         )
+    return value
+
+
+def mode(value: object, name: str = "mode") -> str:
+    return str(choice(name, value, MODES))
+
+
+def synchronous_commit(value: object, name: str = "synchronous_commit") -> str | None:
+    if value not in SYNCHRONOUS_COMMIT:
+        raise InvalidJobOptions(
+            f"Invalid {name} {show(value)}: use None (the server's setting) or one of "
+            "'off', 'local', 'on', 'remote_write', 'remote_apply'."
+        )
+    return None if value is None else str(value)
+
+
+def backoff(base: object, cap: object, name: str = "backoff") -> tuple[float, float]:
+    """A retry delay ``(base, cap)`` in seconds: after attempt n, base * 2^n, at most cap."""
+    base_s = seconds(f"{name} base", base)
+    cap_s = seconds(f"{name} cap", cap)
+    if base_s > MAX_BACKOFF_BASE or cap_s < base_s:
+        raise InvalidJobOptions(
+            f"Invalid {name} (base {base_s:g} s, cap {cap_s:g} s): use a base from 0 to "
+            f"{MAX_BACKOFF_BASE:g} seconds and a cap no smaller than the base."
+        )
+    return base_s, cap_s
+
+
+def _text_problem(value: str) -> str | None:
+    """What PostgreSQL's text and jsonb cannot store in ``value`` (NUL, lone surrogates)."""
+    if "\x00" in value:
+        return "contains a NUL character (\\u0000), which PostgreSQL refuses"
+    # Most text is ASCII: the UTF-8 encoding (which finds surrogates) is only tried on the rest.
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (
+                f"contains a lone surrogate ({value[exc.start]!r} at index {exc.start}), which "
+                "is not valid UTF-8 and which PostgreSQL refuses: decode bytes with "
+                "errors='replace', or drop the character"
+            )
+    return None
+
+
+def queue_name(queue: object, name: str = "queue name") -> str:
+    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+        raise InvalidJobOptions(
+            f"Invalid {name} {show(queue)}: use 1-100 letters, digits, '_', '-', '.' or ':'."
+        )
+    return queue
+
+
+def task_name(value: object, name: str = "task name") -> str:
+    """A name to register a job function under: non-empty text PostgreSQL can store."""
+    if not isinstance(value, str) or not value:
+        raise InvalidJobOptions(
+            f"Invalid {name} {show(value)}: use a non-empty string, such as 'app.jobs.send'."
+        )
+    problem = _text_problem(value)
+    if problem:
+        raise InvalidJobOptions(f"Invalid {name} {value!r}: it {problem}.")
     return value
 
 
@@ -85,16 +216,10 @@ def schedule(run_at: object, delay: object) -> tuple[datetime | None, timedelta 
     if run_at is not None and delay is not None:
         raise InvalidJobOptions("Pass run_at or delay, not both.")
     if delay is not None:
-        delay = _duration(delay)
-        if not isinstance(delay, timedelta) or not timedelta(0) <= delay <= MAX_DURATION:
-            raise InvalidJobOptions(
-                f"Invalid delay {delay!r}: use a timedelta or number of seconds, from 0 to "
-                "100 years."
-            )
-        return None, delay
+        return None, duration("delay", delay)
     if run_at is not None:
         if not isinstance(run_at, datetime):
-            raise InvalidJobOptions(f"Invalid run_at {run_at!r}: use a datetime.")
+            raise InvalidJobOptions(f"Invalid run_at {show(run_at)}: use a datetime.")
         if timezone.is_naive(run_at):
             if settings.USE_TZ:
                 raise InvalidJobOptions(
@@ -102,56 +227,167 @@ def schedule(run_at: object, delay: object) -> tuple[datetime | None, timedelta 
                     "datetime (django.utils.timezone.now() + ..., or make_aware())."
                 )
             run_at = timezone.make_aware(run_at)
+        try:
+            # The job's times are read back in UTC: the instant must exist there.
+            run_at.astimezone(dt_timezone.utc)
+        except (OverflowError, ValueError):
+            raise InvalidJobOptions(
+                f"Invalid run_at {run_at.isoformat()}: in UTC it falls outside the years "
+                "1-9999 a datetime can hold."
+            ) from None
         return run_at, None
     return None, None
 
 
+# -- settings ------------------------------------------------------------------------------
+
+
+def alias(value: object, name: str, *, optional: bool = False) -> str | None:
+    """A database alias named in ``DATABASES`` (or None, when ``optional``)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or value not in settings.DATABASES:
+        raise InvalidJobOptions(
+            f"Invalid {name} {show(value)}: it is not an alias in DATABASES (use one of: "
+            f"{', '.join(settings.DATABASES)})."
+        )
+    return value
+
+
+def channel(value: object, name: str = "channel") -> str:
+    """A NOTIFY channel: PostgreSQL identifiers are at most 63 bytes of UTF-8, without NUL."""
+    if isinstance(value, str) and value and "\x00" not in value:
+        try:
+            if len(value.encode("utf-8")) <= MAX_CHANNEL_BYTES:
+                return value
+        except UnicodeEncodeError:
+            pass
+    raise InvalidJobOptions(
+        f"Invalid {name} {show(value)}: use a non-empty name of at most "
+        f"{MAX_CHANNEL_BYTES} bytes in UTF-8 (63 ASCII characters), without NUL."
+    )
+
+
+def imports(value: object, name: str = "imports") -> list[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(m, str) for m in value):
+        raise InvalidJobOptions(f"Invalid {name} {show(value)}: use a list of dotted module paths.")
+    return list(value)
+
+
+def _setting(key: str) -> str:
+    return f"PGJOBS[{key!r}]"
+
+
+def _whole(key: str) -> Callable[[object], int]:
+    return lambda value: whole_number(_setting(key), value)
+
+
+def _seconds(key: str, minimum: float) -> Callable[[object], float]:
+    return lambda value: seconds(_setting(key), value, minimum=minimum)
+
+
+# The validator of each PGJOBS key: it returns the value, normalized, or raises
+# InvalidJobOptions naming the setting. The BACKOFF_BASE / BACKOFF_MAX pair has a further
+# rule of its own: backoff().
+SETTINGS: dict[str, Callable[[object], Any]] = {
+    "DATABASE": lambda value: alias(value, _setting("DATABASE")),
+    "LISTEN_DATABASE": lambda value: alias(value, _setting("LISTEN_DATABASE"), optional=True),
+    "CHANNEL": lambda value: channel(value, _setting("CHANNEL")),
+    "NOTIFY": lambda value: choice(_setting("NOTIFY"), value, NOTIFY_MODES),
+    "QUEUE": lambda value: queue_name(value, _setting("QUEUE")),
+    "MAX_ATTEMPTS": _whole("MAX_ATTEMPTS"),
+    "BACKOFF_BASE": _seconds("BACKOFF_BASE", 0),
+    "BACKOFF_MAX": _seconds("BACKOFF_MAX", 0),
+    "LEASE": _seconds("LEASE", 1),
+    "CONCURRENCY": _whole("CONCURRENCY"),
+    "BATCH_SIZE": _whole("BATCH_SIZE"),
+    "POLL_INTERVAL": _seconds("POLL_INTERVAL", 0.01),
+    "REAP_INTERVAL": _seconds("REAP_INTERVAL", 0),
+    "MODE": lambda value: mode(value, _setting("MODE")),
+    "WORKER_SYNCHRONOUS_COMMIT": lambda value: synchronous_commit(
+        value, _setting("WORKER_SYNCHRONOUS_COMMIT")
+    ),
+    "PREPARE": lambda value: choice(_setting("PREPARE"), value, (True, False)),
+    "SHUTDOWN_TIMEOUT": _seconds("SHUTDOWN_TIMEOUT", 0),
+    "IMPORTS": lambda value: imports(value, _setting("IMPORTS")),
+}
+
+
+# -- payloads and results ------------------------------------------------------------------
+
 # One encoder for every payload and result: json.dumps with options builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
+# Where a value sits, built only when an error must name it: (parent, key) pairs down from
+# the root's name ("payload", "the return value").
+_Where: TypeAlias = "tuple[Any, object] | str"
+
+
+def _path(where: _Where) -> str:
+    keys: list[object] = []
+    while isinstance(where, tuple):
+        where, key = where
+        keys.append(key)
+    return where + "".join(f"[{key!r}]" for key in reversed(keys))
+
 
 def payload(value: object) -> str:
-    """Return the payload as JSON text, or raise ``InvalidPayload`` naming the bad key.
+    """Return the payload as JSON text, or raise ``InvalidPayload`` naming the bad value.
 
-    jsonb refuses NaN, Infinity and the NUL character, so they are refused here, before the
-    INSERT, with the path of the value that holds them.
+    Refused here, before the INSERT, with the path of the value: what JSON cannot hold,
+    what jsonb refuses (NaN, Infinity, NUL, lone surrogates), integers of more than
+    ``MAX_INT_DIGITS`` digits, and dicts and lists nested more than ``MAX_DEPTH`` deep.
     """
     if not isinstance(value, Mapping):
         raise InvalidPayload(
             f"The payload must be a dict of keyword arguments, not {type(value).__name__}."
         )
     value = dict(value)
-    _check(value, "payload")
+    _check(value, "payload", InvalidPayload, 1)
     return _ENCODER.encode(value)
 
 
-def _check(value: object, path: str, error: type[Exception] = InvalidPayload) -> None:
-    if value is None or isinstance(value, (bool, int)):
+def _check(value: object, where: _Where, error: type[Exception], depth: int) -> None:
+    if value is None or value is True or value is False:
+        return
+    if isinstance(value, int):
+        if not _NEGATIVE_INT_LIMIT < value < _INT_LIMIT:
+            raise error(
+                f"{_path(where)} is an integer of {_digits(value)} digits: at most "
+                f"{MAX_INT_DIGITS} digits can be stored and read back (pass it as a string)."
+            )
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise error(f"{path} is {value!r}: JSON has no NaN or Infinity.")
+            raise error(f"{_path(where)} is {value!r}: JSON has no NaN or Infinity.")
         return
     if isinstance(value, str):
-        if "\x00" in value:
-            raise error(f"{path} contains a NUL character (\\u0000), which jsonb refuses.")
+        problem = _text_problem(value)
+        if problem:
+            raise error(f"{_path(where)} {problem}.")
         return
+    if isinstance(value, (dict, list, tuple)) and depth > MAX_DEPTH:
+        raise error(
+            f"{_path(where)} is nested more than {MAX_DEPTH} levels deep (or contains "
+            "itself): pass flatter data, such as ids to look up."
+        )
     # dict, not any Mapping: json.dumps cannot write other mappings.
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise error(f"{path} has a key {key!r} that is not a string.")
-            if "\x00" in key:
-                raise error(f"{path} has a key with a NUL character (\\u0000).")
-            _check(item, f"{path}[{key!r}]", error)
+                raise error(f"{_path(where)} has a key {show(key)} that is not a string.")
+            problem = _text_problem(key)
+            if problem:
+                raise error(f"{_path(where)} has a key {key!r} that {problem}.")
+            _check(item, (where, key), error, depth + 1)
         return
     if isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            _check(item, f"{path}[{index}]", error)
+            _check(item, (where, index), error, depth + 1)
         return
     raise error(
-        f"{path} is a {type(value).__name__} ({value!r:.60}), which JSON cannot hold: "
-        "pass str, int, float, bool, None, list or dict (e.g. an id instead of an object)."
+        f"{_path(where)} is a {type(value).__name__} ({show(value):.60}), which JSON cannot "
+        "hold: pass str, int, float, bool, None, list or dict (e.g. an id instead of an object)."
     )
 
 
@@ -159,5 +395,5 @@ def result(value: object) -> str | None:
     """A task's return value as JSON text (None stays SQL NULL), or ``InvalidResult``."""
     if value is None:
         return None
-    _check(value, "the return value", InvalidResult)
+    _check(value, "the return value", InvalidResult, 1)
     return _ENCODER.encode(value)

@@ -4,12 +4,16 @@ pytest-django creates the test database from the app's migrations."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.conf import settings
+from django.db import connection
 
+from django_pgjobs.lifecycle import REAP_SETTLE
 from django_pgjobs.notify import notifier
 from tests.helpers import wait_until
 from tests.workers import Workers
@@ -31,7 +35,6 @@ def _threads_finish() -> Iterator[None]:
     notifier.shutdown()
     wait_until(
         lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
-        timeout=10,
         message="the test's threads to finish",
     )
 
@@ -41,3 +44,15 @@ def workers(tmp_path: Path) -> Iterator[Workers]:
     """Starts real runjobs/reapjobs processes; kills any still running when the test ends."""
     with Workers(tmp_path) as started:
         yield started
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _server_past_its_first_minute(django_db_setup: None, django_db_blocker: Any) -> None:
+    """Nothing is reaped in a server's first minute (lifecycle.REAP_SETTLE): on a server the
+    suite has just started, wait that minute out once, rather than in every test that reaps."""
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute("SELECT extract(epoch FROM now() - pg_postmaster_start_time())::float8")
+        (age,) = cursor.fetchone()
+    wait = REAP_SETTLE.total_seconds() + 1 - age
+    if wait > 0:
+        time.sleep(wait)

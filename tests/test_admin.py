@@ -431,8 +431,8 @@ class ConcurrentEditTests(TransactionTestCase):
             # The page read the job while it was queued; its UPDATE now waits for our lock.
             wait_until(
                 lambda: scalar(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query LIKE %s",
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE %s",
                     ['UPDATE "pgjobs_job" SET "queue"%'],
                 ),
                 message="the admin's UPDATE to wait for the worker's lock",
@@ -542,7 +542,8 @@ class RetryTests(TransactionTestCase):
             before = db_now()
             response = self.act("retry_selected", chosen)
             after = db_now()
-            notified = listener.quiet(timeout=1.0)
+            notified = listener.receive(2)
+            notified += listener.quiet()
 
         assert sorted(notified) == ["emails", "reports"]
         for job_id in chosen:
@@ -576,7 +577,8 @@ class RetryTests(TransactionTestCase):
 
         with listening() as listener:
             response = self.act("retry_selected", [failed, finished])
-            notified = listener.quiet(timeout=1.0)
+            notified = listener.receive(1)
+            notified += listener.quiet()
 
         assert job_row(finished) == finished_before
         assert job_row(failed)["status"] == "queued"

@@ -96,7 +96,7 @@ class Server:
             )
 
     def wait(self) -> None:
-        wait_until(self.answers, timeout=30, interval=0.1, message="runserver to answer")
+        wait_until(self.answers, interval=0.1, message="runserver to answer")
 
     def answers(self) -> bool:
         if self.popen.poll() is not None:

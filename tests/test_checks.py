@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.core import checks as django_checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
+from django.db.utils import load_backend
 from django.test import override_settings
 
 from django_pgjobs import checks, conf
@@ -52,6 +55,15 @@ BAD: list[tuple[Any, str]] = [
     ({"POLL_INTERVAL": None}, "pgjobs.E002"),
     ({"REAP_INTERVAL": -1}, "pgjobs.E002"),
     ({"SHUTDOWN_TIMEOUT": -0.1}, "pgjobs.E002"),
+    # Values the table or a timedelta cannot hold (the check itself used to raise
+    # OverflowError on an int too large for a float).
+    ({"MAX_ATTEMPTS": 2**31}, "pgjobs.E002"),
+    ({"CONCURRENCY": 2**31}, "pgjobs.E002"),
+    ({"LEASE": 10**400}, "pgjobs.E002"),
+    ({"LEASE": 1e300}, "pgjobs.E002"),
+    ({"POLL_INTERVAL": 1e300}, "pgjobs.E002"),
+    ({"SHUTDOWN_TIMEOUT": float("inf")}, "pgjobs.E002"),
+    ({"BACKOFF_MAX": 1e300}, "pgjobs.E002"),
     ({"MODE": "batch"}, "pgjobs.E004"),
     ({"QUEUE": ""}, "pgjobs.E005"),
     ({"QUEUE": "two words"}, "pgjobs.E005"),
@@ -60,6 +72,9 @@ BAD: list[tuple[Any, str]] = [
     ({"CHANNEL": ""}, "pgjobs.E007"),
     ({"CHANNEL": "c" * 64}, "pgjobs.E007"),
     ({"CHANNEL": None}, "pgjobs.E007"),
+    # PostgreSQL counts an identifier's bytes, not its characters: 80 bytes here.
+    ({"CHANNEL": "é" * 40}, "pgjobs.E007"),
+    ({"CHANNEL": "jobs\x00"}, "pgjobs.E007"),
     ({"IMPORTS": "testproject.testjobs"}, "pgjobs.E008"),
     ({"IMPORTS": [1]}, "pgjobs.E008"),
     ({"BACKOFF_BASE": -1}, "pgjobs.E002"),
@@ -143,9 +158,56 @@ def test_non_postgresql_alias_is_reported() -> None:
         assert "postgresql" in errors[0].hint
 
 
+POSTGRESQL_BACKENDS = [
+    pytest.param("django.db.backends.postgresql", id="postgresql"),
+    # Django's own backend under a project's name: the checks used to match the ENGINE
+    # string, and refused every such backend (PostGIS included).
+    pytest.param("testproject.pgsubclass", id="subclass-in-the-test-project"),
+    pytest.param("django.contrib.gis.db.backends.postgis", id="postgis"),
+]
+
+
+@pytest.mark.parametrize("engine", POSTGRESQL_BACKENDS)
+@pytest.mark.django_db
+def test_a_backend_built_on_postgresql_passes_whatever_its_engine_is_called(engine: str) -> None:
+    try:
+        backend = load_backend(engine)
+    except ImproperlyConfigured as exc:  # PostGIS's backend loads only where GDAL is installed
+        pytest.skip(f"{engine} cannot be loaded here: {exc}")
+    # A real backend: it connects to the test database and runs a query.
+    params = {**connection.settings_dict, "ENGINE": engine}
+    wrapper = backend.DatabaseWrapper(params, "built_on_postgresql")
+    try:
+        with wrapper.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pgjobs_job")
+            assert cursor.fetchone() == (0,)
+    finally:
+        wrapper.close()
+    databases = {**settings.DATABASES, "built_on_postgresql": params}
+    with (
+        pytest.warns(UserWarning, match="DATABASES"),
+        override_settings(
+            DATABASES=databases,
+            PGJOBS={"DATABASE": "built_on_postgresql", "LISTEN_DATABASE": "built_on_postgresql"},
+        ),
+    ):
+        assert run_all() == []
+
+
+def test_a_backend_that_cannot_be_loaded_is_reported() -> None:
+    databases = {**settings.DATABASES, "gone": {"ENGINE": "nowhere.backend", "NAME": "x"}}
+    with (
+        pytest.warns(UserWarning, match="DATABASES"),
+        override_settings(DATABASES=databases, PGJOBS={"DATABASE": "gone"}),
+    ):
+        errors = run_all()
+    assert ids(errors) == ["pgjobs.E010"]
+    assert "'nowhere.backend'" in errors[0].msg and "cannot be loaded" in errors[0].msg
+
+
 def test_every_check_id_is_tested() -> None:
     source = Path(checks.__file__).read_text()
-    declared = set(re.findall(r'id="(pgjobs\.[EW]\d{3})"', source))
+    declared = set(re.findall(r'"(pgjobs\.[EW]\d{3})"', source))
     # E038 (PGJOBS["SCHEDULE"]'s shape) is tested with the schedules, in test_periodic.py.
     tested = {check_id for _, check_id in BAD} | {"pgjobs.E010", "pgjobs.E038"}
     assert declared == tested

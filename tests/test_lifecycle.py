@@ -18,13 +18,14 @@ from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.managers import ERROR_LIMIT, ClaimedJob, Reaped
 from django_pgjobs.models import ArchivedJob, Job
 from tests.helpers import (
+    PATIENCE,
     DbThread,
+    db_now,
     job_row,
     make_job,
     make_jobs,
     query,
     scalar,
-    seconds_from_now,
     statement_timeout,
     status_counts,
     wait_until,
@@ -57,8 +58,9 @@ class ClaimTests(TransactionTestCase):
             row = job_row(c.id)
             assert row["status"] == "running"
             assert row["attempts"] == 1
+            # The lease runs from the claim's now(), which started_at also records.
             assert row["started_at"] is not None
-            assert 88 <= seconds_from_now(c.id, "locked_until") <= 90
+            assert row["locked_until"] - row["started_at"] == timedelta(seconds=90)
         assert status_counts() == {"running": 3, "queued": 2}
 
     def test_claim_only_takes_its_queue_due_and_queued_jobs(self) -> None:
@@ -73,7 +75,8 @@ class ClaimTests(TransactionTestCase):
         make_job()
         with override_settings(PGJOBS={"LEASE": 120}):
             (c,) = Job.objects.claim()
-        assert 118 <= seconds_from_now(c.id, "locked_until") <= 120
+        row = job_row(c.id)
+        assert row["locked_until"] - row["started_at"] == timedelta(seconds=120)
 
     def test_nothing_ready_returns_empty(self) -> None:
         make_job(status="done")
@@ -164,10 +167,16 @@ class OutcomeTests(TransactionTestCase):
     def test_extend_lease(self) -> None:
         make_job()
         c = self.claim_one(lease=timedelta(seconds=30))
-        assert Job.objects.extend_lease(c.id, c.attempts, lease=timedelta(hours=1)) is True
-        assert 3598 <= seconds_from_now(c.id, "locked_until") <= 3600
-        assert Job.objects.extend_lease(c.id, c.attempts) is True  # PGJOBS LEASE, 300 s
-        assert 298 <= seconds_from_now(c.id, "locked_until") <= 300
+        # An extension runs from its own now(), between the database times read around it.
+        hour, default = timedelta(hours=1), timedelta(seconds=300)  # PGJOBS LEASE
+        before = db_now()
+        assert Job.objects.extend_lease(c.id, c.attempts, lease=hour) is True
+        after = db_now()
+        assert before + hour <= job_row(c.id)["locked_until"] <= after + hour
+        before = db_now()
+        assert Job.objects.extend_lease(c.id, c.attempts) is True
+        after = db_now()
+        assert before + default <= job_row(c.id)["locked_until"] <= after + default
         assert job_row(c.id)["status"] == "running"
 
     def test_release_gives_the_attempt_back(self) -> None:
@@ -225,37 +234,42 @@ class SlowWorkerTests(TransactionTestCase):
 
 
 class BackoffTests(TransactionTestCase):
-    def fail_once(self, job_id: int, attempts: int) -> tuple[str, float]:
+    def fail_once(self, job_id: int, attempts: int) -> tuple[str, timedelta, timedelta]:
+        """Claim and fail the job; return its new status and the bounds of its backoff:
+        run_at minus the database times read just after and just before the fail (whose own
+        now() lies between them)."""
         make_ready()
         (c,) = Job.objects.claim()
         assert (c.id, c.attempts) == (job_id, attempts)
+        before = db_now()
         status = Job.objects.fail(job_id, attempts, f"failure {attempts}")
+        after = db_now()
         assert status is not None
-        return status, seconds_from_now(job_id, "run_at")
+        run_at = job_row(job_id)["run_at"]
+        return status, run_at - after, run_at - before
 
     def test_backoff_doubles_from_20_seconds_then_fails(self) -> None:
         job_id = make_job(max_attempts=5)
         for attempts, expected in enumerate([20, 40, 80, 160], start=1):
-            status, delay = self.fail_once(job_id, attempts)
+            status, low, high = self.fail_once(job_id, attempts)
             assert status == "queued"
-            # Measured on the database clock a moment after the fail: at most `expected`.
-            assert expected - 2 <= delay <= expected, (attempts, delay)
-        status, _delay = self.fail_once(job_id, 5)
+            assert low <= timedelta(seconds=expected) <= high, (attempts, low, high)
+        status, *_bounds = self.fail_once(job_id, 5)
         assert status == "failed"
         row = job_row(job_id)
         assert (row["status"], row["attempts"], row["last_error"]) == ("failed", 5, "failure 5")
 
     def test_backoff_stops_growing_at_one_hour(self) -> None:
         job_id = make_job(max_attempts=20)
-        delays = []
+        bounds = []
         for attempts in range(1, 20):
-            status, delay = self.fail_once(job_id, attempts)
+            status, low, high = self.fail_once(job_id, attempts)
             assert status == "queued"
-            delays.append(delay)
+            bounds.append((low, high))
         expected = [min(3600, 10 * 2**a) for a in range(1, 20)]
         assert expected[:9] == [20, 40, 80, 160, 320, 640, 1280, 2560, 3600]
-        for attempts, (got, want) in enumerate(zip(delays, expected, strict=True), start=1):
-            assert want - 2 <= got <= want, (attempts, got, want)
+        for attempts, ((low, high), want) in enumerate(zip(bounds, expected, strict=True), 1):
+            assert low <= timedelta(seconds=want) <= high, (attempts, low, high, want)
         assert self.fail_once(job_id, 20)[0] == "failed"
 
 
@@ -310,13 +324,13 @@ class ReapTests(TransactionTestCase):
             with transaction.atomic():
                 query("SELECT id FROM pgjobs_job WHERE id = ANY(%s) FOR UPDATE", [ids[:3]])
                 locked.set()
-                assert done.wait(30)
+                assert done.wait(PATIENCE)
 
         holder = DbThread(hold_first_three)
         holder.start()
         try:
-            assert locked.wait(10)
-            with statement_timeout(10):
+            assert locked.wait(PATIENCE)
+            with statement_timeout(PATIENCE):
                 reaped = Job.objects.reap(batch_size=3)
         finally:
             done.set()
@@ -335,7 +349,7 @@ class ConcurrentReapTests(TransactionTestCase):
         start = threading.Barrier(2)
 
         def reaper() -> list[Reaped]:
-            start.wait(10)
+            start.wait(PATIENCE)
             return Job.objects.reap(batch_size=50)
 
         threads = [DbThread(reaper) for _ in range(2)]

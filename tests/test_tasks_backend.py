@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,15 +25,26 @@ from asgiref.sync import async_to_sync
 from django.core.checks import run_checks
 from django.db import connection, transaction
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_pgjobs.backends import PgJobsBackend
+from django_pgjobs.backends import InvalidTaskArguments, PgJobsBackend
+from django_pgjobs.exceptions import InvalidPayload
 from django_pgjobs.models import Job
 from django_pgjobs.worker import Worker
 from testproject.shop.models import Order
 from testproject.shop.tasks import double, order_total, returns_a_set, which_attempt
 from testproject.testjobs import noop
-from tests.helpers import db_now, job_row, listening, query, raw_connect, scalar, wait_until
+from tests.helpers import (
+    db_now,
+    job_row,
+    listening,
+    nested,
+    query,
+    raw_connect,
+    scalar,
+    wait_until,
+)
 
 try:  # Django 6.0+
     from django.tasks import TaskResult, TaskResultStatus, task_backends
@@ -36,9 +52,13 @@ try:  # Django 6.0+
     from django.tasks.signals import task_enqueued, task_finished, task_started
 except ImportError:  # the django-tasks backport
     from django_tasks import TaskResult, TaskResultStatus, task_backends
-    from django_tasks.exceptions import InvalidTaskError as InvalidTask
     from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
     from django_tasks.signals import task_enqueued, task_finished, task_started
+
+    try:  # the backport after 0.12 uses Django's name
+        from django_tasks.exceptions import InvalidTask
+    except ImportError:
+        from django_tasks.exceptions import InvalidTaskError as InvalidTask
 
 pytestmark = [pytest.mark.tasks]
 
@@ -213,6 +233,77 @@ def test_arguments_that_are_not_json_values_raise_type_error_and_write_nothing(
     enqueued = received(task_enqueued)
     with pytest.raises(TypeError, match=where):
         double.enqueue(*args, **kwargs)
+    assert row_count() == 0
+    assert enqueued == []
+
+
+@pytest.mark.parametrize(
+    ("args", "where"),
+    [
+        pytest.param(
+            ("caf\udce9",), r"payload\['args'\]\[0\] contains a lone surrogate", id="surrogate"
+        ),
+        pytest.param(
+            ({"caf\ud800": 1},),
+            r"payload\['args'\]\[0\] has a key .* surrogate",
+            id="surrogate-key",
+        ),
+        pytest.param(
+            (10**5000,), r"payload\['args'\]\[0\] is an integer of 5001 digits", id="long-int"
+        ),
+        pytest.param((nested(5000),), r"payload\['args'\]\[0\].* more than 100 levels", id="deep"),
+    ],
+)
+@pytest.mark.django_db
+def test_arguments_jsonb_cannot_store_raise_invalid_task_before_anything_is_sent(
+    args: tuple[Any, ...], where: str, received: Callable[[Any], list[Any]]
+) -> None:
+    enqueued = received(task_enqueued)
+    with transaction.atomic():
+        with (
+            CaptureQueriesContext(connection) as sent,
+            pytest.raises(InvalidTask, match=where) as info,
+        ):
+            double.enqueue(*args)
+        assert sent.captured_queries == []
+        # The caller's transaction is still usable.
+        Order.objects.create(email="a@example.com", total_cents=1)
+    # Also a TypeError, as the framework's own backends raise for such arguments.
+    assert isinstance(info.value, InvalidTaskArguments)
+    assert isinstance(info.value, InvalidPayload) and isinstance(info.value, TypeError)
+    assert row_count() == 0
+    assert enqueued == []
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "match"),
+    [
+        pytest.param(
+            {"OPTIONS": {"MAX_ATTEMPTS": 2**31}}, {}, "max_attempts", id="max_attempts-2**31"
+        ),
+        pytest.param(
+            {},
+            {"run_after": datetime.max.replace(tzinfo=dt_timezone(-timedelta(hours=14)))},
+            "run_at",
+            id="run_after-past-year-9999-in-utc",
+        ),
+    ],
+)
+@pytest.mark.django_db
+def test_options_out_of_range_raise_invalid_task_before_anything_is_sent(
+    backend: dict[str, Any],
+    options: dict[str, Any],
+    match: str,
+    received: Callable[[Any], list[Any]],
+) -> None:
+    enqueued = received(task_enqueued)
+    pgjobs = PgJobsBackend("x", backend)
+    task = order_total.using(**options)
+    with transaction.atomic():
+        with CaptureQueriesContext(connection) as sent, pytest.raises(InvalidTask, match=match):
+            pgjobs.enqueue(task, [1], {})
+        assert sent.captured_queries == []
+        Order.objects.create(email="a@example.com", total_cents=1)
     assert row_count() == 0
     assert enqueued == []
 
@@ -551,7 +642,18 @@ def test_the_configured_backend_and_a_bare_one_have_no_problems() -> None:
         pytest.param(
             {"QUEUES": ["default", "bad queue"]}, "pgjobs.E022", "'bad queue'", id="bad-queue"
         ),
-        pytest.param({"OPTIONS": {"MAX_ATTEMPTS": 0}}, "pgjobs.E023", "is 0", id="no-attempts"),
+        pytest.param(
+            {"OPTIONS": {"MAX_ATTEMPTS": 0}}, "pgjobs.E023", "['MAX_ATTEMPTS'] 0:", id="no-attempts"
+        ),
+        pytest.param(
+            {"OPTIONS": {"MAX_ATTEMPTS": 2**31}},
+            "pgjobs.E023",
+            "2147483648",
+            id="too-many-attempts",
+        ),
+        pytest.param(
+            {"OPTIONS": {"BACKOFF_MAX": 1e300}}, "pgjobs.E024", "'BACKOFF_MAX'", id="huge-max"
+        ),
         pytest.param(
             {"OPTIONS": {"BACKOFF_BASE": -1}}, "pgjobs.E024", "'BACKOFF_BASE'", id="negative-base"
         ),
@@ -592,3 +694,58 @@ def test_manage_py_check_reports_the_backends_problems() -> None:
         ids = [m.id for m in run_checks()]
     assert "pgjobs.E020" in ids
     assert list(task_backends["default"].check()) == []
+
+
+# -- the app left out of INSTALLED_APPS ------------------------------------------------------
+
+# A project that names the backend in TASKS but forgot the app: what `manage.py check` and
+# the first enqueue say. The task module is imported first, as a view that uses it would.
+WITHOUT_THE_APP = """
+import django
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+
+django.setup()
+from testproject.shop.tasks import double
+
+try:
+    call_command("check")
+    print("CHECK passed")
+except SystemCheckError as exc:
+    print("CHECK", exc)
+try:
+    double.enqueue(1)
+    print("ENQUEUE passed")
+except Exception as exc:
+    print("ENQUEUE", type(exc).__name__, exc)
+"""
+
+
+def test_tasks_naming_the_backend_without_the_app_installed_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "without_pgjobs.py").write_text(
+        "from testproject.settings import *  # noqa: F403\n"
+        "INSTALLED_APPS = [a for a in INSTALLED_APPS if a != 'django_pgjobs']  # noqa: F405\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "without_pgjobs",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_THE_APP],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    assert "CHECK passed" not in lines, done.stdout
+    assert "pgjobs.E025" in done.stdout, done.stdout
+    assert "'django_pgjobs' is not in INSTALLED_APPS" in done.stdout
+    assert "HINT: Add 'django_pgjobs' to INSTALLED_APPS" in done.stdout
+    (enqueue,) = [line for line in lines if line.startswith("ENQUEUE")]
+    assert enqueue.startswith("ENQUEUE ImproperlyConfigured"), enqueue
+    assert "add 'django_pgjobs' to INSTALLED_APPS" in enqueue

@@ -44,6 +44,13 @@ def seconds(result: TaskResult[Any, Any], expression: str) -> float:
     return float(column(result, f"extract(epoch FROM {expression})"))
 
 
+def burst(workers: Workers, jobs: int, *args: str) -> Process:
+    """A burst run that claims ``jobs`` jobs at most. The backend's backoff is 2 s after a
+    first failure: on a busy machine a plain burst can still be running then and claim the
+    retry too (it did: "ran 3 jobs" instead of 2)."""
+    return workers.burst("--max-jobs", str(jobs), *args)
+
+
 def make_due(*results: TaskResult[Any, Any]) -> None:
     """Skip the backoff: the retry is due now."""
     query("UPDATE pgjobs_job SET run_at = now() WHERE id = ANY(%s)", [[int(r.id) for r in results]])
@@ -81,7 +88,7 @@ def test_a_failing_task_is_ready_between_attempts_then_succeeds_or_fails(
     recovers = which_attempt.enqueue(fail_until=2)
     gives_up = which_attempt.enqueue(fail_until=5)
 
-    first = workers.burst()
+    first = burst(workers, 2)
 
     assert "ran 2 jobs: 0 done, 2 to retry, 0 failed" in first.output()
     for enqueued in (recovers, gives_up):
@@ -96,12 +103,13 @@ def test_a_failing_task_is_ready_between_attempts_then_succeeds_or_fails(
         assert last_line(error.traceback) == "RuntimeError: attempt 1 fails on purpose"
         with pytest.raises(ValueError, match="not finished"):
             result.return_value  # noqa: B018 - the property raises
-        # OPTIONS["BACKOFF_BASE"] 1 s: due 1 * 2^1 s after the attempt (PGJOBS' would be 20 s).
-        assert 2.0 <= seconds(enqueued, "run_at - attempted_at") < 3.0
+        # OPTIONS["BACKOFF_BASE"] 1 s: due 1 * 2^1 s after the failure (PGJOBS' would be
+        # 20 s), which came after the attempt began and before now.
+        assert seconds(enqueued, "run_at - attempted_at") >= 2.0
         assert seconds(enqueued, "run_at - now()") <= 2.0
 
     make_due(recovers, gives_up)
-    second = workers.burst()
+    second = burst(workers, 2)
 
     assert "ran 2 jobs: 0 done, 2 to retry, 0 failed" in second.output()
     for enqueued in (recovers, gives_up):
@@ -112,8 +120,8 @@ def test_a_failing_task_is_ready_between_attempts_then_succeeds_or_fails(
             "RuntimeError: attempt 1 fails on purpose",
             "RuntimeError: attempt 2 fails on purpose",
         ]
-        # 1 * 2^2 s after the second attempt.
-        assert 4.0 <= seconds(enqueued, "run_at - attempted_at") < 5.0
+        # 1 * 2^2 s after the second failure.
+        assert seconds(enqueued, "run_at - attempted_at") >= 4.0
         assert seconds(enqueued, "run_at - now()") <= 4.0
 
     make_due(recovers, gives_up)
@@ -155,7 +163,7 @@ def test_a_non_json_result_fails_the_attempt_and_the_worker_runs_the_next_tasks(
     context = which_attempt.enqueue()
 
     # One executor: the tasks after the bad one run on the same thread, after it.
-    worker = workers.burst("--concurrency", "1")
+    worker = burst(workers, 3, "--concurrency", "1")
 
     assert "ran 3 jobs: 2 done, 1 to retry, 0 failed" in worker.output()
     failed = returns_a_set.get_result(bad.id)
@@ -187,7 +195,7 @@ def test_transaction_mode_runs_tasks_and_records_their_failures(workers: Workers
     doubled = double.enqueue(4)
     retries = which_attempt.enqueue(fail_until=1)
 
-    worker = workers.burst("--mode", "transaction")
+    worker = burst(workers, 2, "--mode", "transaction")
 
     assert "ran 2 jobs: 1 done, 1 to retry, 0 failed" in worker.output()
     result = double.get_result(doubled.id)
@@ -211,9 +219,7 @@ def test_a_task_whose_lease_expired_lists_lease_expired_after_reapjobs(
     assert claimed.id == int(enqueued.id)
     running = double.get_result(enqueued.id)
     assert (running.status, running.worker_ids, running.errors) == (RUNNING, ["gone:1"], [])
-    wait_until(
-        lambda: column(enqueued, "locked_until < now()"), timeout=5, message="the lease to expire"
-    )
+    wait_until(lambda: column(enqueued, "locked_until < now()"), message="the lease to expire")
 
     reaper = workers.run("reapjobs")
 

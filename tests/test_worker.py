@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from django_pgjobs import sql
 from django_pgjobs.models import Job
+from testproject.shop.models import Order
 from testproject.testjobs import boom, long_running, noop
-from tests.helpers import job_row, make_job, wait_until
-from tests.workers import Workers, counts, query, ran, scalar
+from tests.helpers import db_now, job_row, make_job, raw_connect, wait_until
+from tests.workers import Workers, counts, query, ran, scalar, until_order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,15 +27,25 @@ def status(job_id: int) -> str:
 def test_two_workers_drain_ten_thousand_jobs_each_run_once(workers: Workers) -> None:
     Job.objects.enqueue_many(noop, [{"n": i} for i in range(10_000)])
 
-    first = workers.start("--concurrency", "4", "--burst")
-    second = workers.start("--concurrency", "4", "--burst")
+    # Both workers' first claims wait behind this lock, so they start on the jobs together
+    # however long either took to start (no reap goes first: the claim is what waits).
+    with raw_connect() as locker, locker.transaction():
+        locker.execute("LOCK TABLE pgjobs_job IN EXCLUSIVE MODE")
+        first, second = (
+            workers.start("--concurrency", "4", "--burst", "--reap-interval", "0") for _ in range(2)
+        )
+        wait_until(
+            lambda: first.sent(sql.CLAIM, waiting=True) and second.sent(sql.CLAIM, waiting=True),
+            message="both workers' first claim to wait on the lock",
+        )
 
     assert first.wait(180) == 0, first.tail()
     assert second.wait(180) == 0, second.tail()
     assert counts() == {"done": 10_000}
     assert query("SELECT attempts, count(*) FROM pgjobs_job GROUP BY attempts") == [(1, 10_000)]
     assert scalar("SELECT count(*) FROM pgjobs_job WHERE locked_until IS NOT NULL") == 0
-    # Both processes took part, and between them ran each job exactly once.
+    # Both processes took part (each claimed a share when the lock went), and between them
+    # ran each job exactly once.
     assert ran(first) > 0 and ran(second) > 0
     assert ran(first) + ran(second) == 10_000
 
@@ -57,22 +69,18 @@ def test_failing_job_backs_off_twenty_seconds_then_fails_for_good(workers: Worke
     job_id = Job.objects.enqueue(boom, {"message": "kaboom 1"}).id
     assert job_row(job_id)["max_attempts"] == 2
 
-    first = workers.burst()
+    first = workers.burst("--max-jobs", "1")
+    burst_ended = db_now()
 
     row = job_row(job_id)
     assert (row["status"], row["attempts"], row["locked_until"]) == ("queued", 1, None)
     assert row["last_error"].startswith("Traceback (most recent call last):")
     assert row["last_error"].strip().splitlines()[-1] == "RuntimeError: kaboom 1"
     # The seed's backoff after the first failure, 10 s * 2^1, on the database clock: the
-    # retry is due 20 s after the failed attempt (which started at started_at, ran ~0 s).
-    backoff = scalar(
-        "SELECT extract(epoch FROM run_at - started_at) FROM pgjobs_job WHERE id = %s", [job_id]
-    )
-    assert 20.0 <= float(backoff) < 21.0
-    due_in = scalar(
-        "SELECT extract(epoch FROM run_at - now()) FROM pgjobs_job WHERE id = %s", [job_id]
-    )
-    assert 10.0 < float(due_in) <= 20.0
+    # retry is due 20 s after the failure, which came after the attempt started and before
+    # the burst ended (a 40 s backoff would put it later; 10 s, earlier).
+    backoff = timedelta(seconds=20)
+    assert row["started_at"] + backoff <= row["run_at"] <= burst_ended + backoff
     assert "ran 1 jobs: 0 done, 1 to retry, 0 failed" in first.output()
     assert "RuntimeError: kaboom 1" in first.log()
 
@@ -126,11 +134,13 @@ def test_a_row_naming_an_unregistered_path_is_refused_never_imported(
 
 
 def test_heartbeat_keeps_a_job_longer_than_its_lease_owned(workers: Workers) -> None:
-    job_id = Job.objects.enqueue(long_running, {"seconds": 4}).id
-    # The reaper runs every 0.5 s: were the lease not extended, it would take the job back.
-    worker = workers.start("--lease", "1.5", "--reap-interval", "0.5")
+    # The job runs until the test creates its order: past its lease however slow the machine.
+    job_id = until_order.enqueue(email="heartbeat@example.com").id
+    # The reaper runs every 0.5 s: were the 3 s lease not extended, it would take the job
+    # back (the heartbeat, every lease/3, leaves 2 s for a busy machine to be late).
+    worker = workers.start("--lease", "3", "--reap-interval", "0.5", test_jobs=True)
 
-    wait_until(lambda: status(job_id) == "running", timeout=15, message="the job to start")
+    wait_until(lambda: status(job_id) == "running", message="the job to start")
     seen = [job_row(job_id)["locked_until"]]
 
     def extended() -> bool:
@@ -140,24 +150,24 @@ def test_heartbeat_keeps_a_job_longer_than_its_lease_owned(workers: Workers) -> 
             seen.append(row["locked_until"])
         return len(seen) >= 4
 
-    wait_until(extended, timeout=5, message="the lease to be extended three times")
+    wait_until(extended, message="the lease to be extended three times")
     assert seen == sorted(seen)
-    # Running past the first lease: now() is beyond started_at + 1.5 s and it is still ours.
+    # Running past the first lease: now() is beyond started_at + 3 s and it is still ours.
     wait_until(
         lambda: scalar(
-            "SELECT status = 'running' AND attempts = 1 AND now() > started_at + interval '2 s' "
+            "SELECT status = 'running' AND attempts = 1 AND now() > started_at + interval '4 s' "
             "AND locked_until > now() FROM pgjobs_job WHERE id = %s",
             [job_id],
         ),
-        timeout=5,
         message="the job to outlive its first lease",
     )
 
-    wait_until(lambda: status(job_id) == "done", timeout=10, message="the job to finish")
+    Order.objects.create(email="heartbeat@example.com", total_cents=1)
+    wait_until(lambda: status(job_id) == "done", message="the job to finish")
     row = job_row(job_id)
     assert (row["attempts"], row["last_error"], row["locked_until"]) == (1, None, None)
     worker.send(signal.SIGTERM)
-    assert worker.wait(15) == 0
+    assert worker.wait() == 0
     assert "no longer ours" not in worker.log() and "reaped job" not in worker.log()
     assert "ran 1 jobs: 1 done" in worker.output()
 
@@ -167,7 +177,7 @@ def test_a_job_whose_lease_is_taken_sees_lost_and_its_outcome_is_not_recorded(
 ) -> None:
     job_id = Job.objects.enqueue(long_running, {"seconds": 60}).id
     worker = workers.start("--lease", "1.5", "--reap-interval", "0")
-    wait_until(lambda: status(job_id) == "running", timeout=15, message="the job to start")
+    wait_until(lambda: status(job_id) == "running", message="the job to start")
 
     # Someone else reaped and reclaimed it: the attempt the worker holds is no longer current.
     query(
@@ -177,10 +187,10 @@ def test_a_job_whose_lease_is_taken_sees_lost_and_its_outcome_is_not_recorded(
 
     # The next heartbeat (every lease/3 = 0.5 s) finds the fence closed; the job sees
     # current_job().lost and returns long before its 60 s.
-    log = worker.wait_for_log("lost its lease while running; outcome not recorded", timeout=5)
+    log = worker.wait_for_log("lost its lease while running; outcome not recorded")
     assert f"extend_lease of job {job_id} (attempt 1) changed nothing" in log
     worker.send(signal.SIGTERM)
-    assert worker.wait(10) == 0
+    assert worker.wait() == 0
     row = job_row(job_id)
     # Nothing was written over the thief's attempt: no complete, no fail, no release.
     assert (row["status"], row["attempts"], row["finished_at"]) == ("running", 2, None)
@@ -190,22 +200,24 @@ def test_a_job_whose_lease_is_taken_sees_lost_and_its_outcome_is_not_recorded(
 def test_worker_reaps_expired_leases_every_reap_interval_and_runs_them(
     workers: Workers,
 ) -> None:
-    # A job whose worker vanished; its lease runs out 1.5 s from now, after the worker's
-    # start-up reap, so only a later periodic reap can bring it back. make_job sends no
-    # NOTIFY and the poll is an hour away: the reap alone must lead to the job being run.
+    worker = workers.start("--reap-interval", "1", "--poll-interval", "3600")
+    # Its first tick is over (reap, claim, then the due-time lookup): the start-up reap has
+    # come and gone.
+    wait_until(lambda: worker.sent(sql.NEXT_DUE), message="the worker's first tick")
+    # A job whose worker vanished a minute ago, written after the start-up reap. make_job
+    # sends no NOTIFY and the poll is an hour away: only a periodic reap can bring it back.
     job_id = make_job(
         task="testproject.testjobs.noop",
         status="running",
         attempts=1,
-        locked_until=timedelta(seconds=1.5),
+        locked_until=timedelta(minutes=-1),
     )
-    worker = workers.start("--reap-interval", "1", "--poll-interval", "3600")
-    wait_until(lambda: status(job_id) == "done", timeout=10, message="the job to be reaped and run")
+    wait_until(lambda: status(job_id) == "done", message="the job to be reaped and run")
 
     row = job_row(job_id)
     # The crashed attempt counted; the rerun was the second.
     assert (row["attempts"], row["last_error"]) == (2, "lease expired")
     assert f"reaped job {job_id} (attempt 1): lease expired, now queued" in worker.log()
     worker.send(signal.SIGTERM)
-    assert worker.wait(15) == 0
+    assert worker.wait() == 0
     assert "1 reaped" in worker.output()

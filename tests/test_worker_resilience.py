@@ -14,7 +14,7 @@ import pytest
 from django_pgjobs.models import Job
 from scripts.pgserver import ThrowawayPostgres
 from testproject.testjobs import sleep
-from tests.helpers import wait_until
+from tests.helpers import PATIENCE, wait_until
 from tests.workers import SLEEP, Process, Workers, counts, done, listener_backends, query, terminate
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -45,10 +45,10 @@ def test_sigkill_mid_run_then_reap_and_a_fresh_worker_finish_everything(
     total = 2000
     Job.objects.enqueue_many(sleep, [{"seconds": 0.01 + (i % 11) / 1000} for i in range(total)])
     worker = workers.start("--concurrency", "8", "--lease", "2")
-    wait_until(lambda: done() >= 300, timeout=60, message="a few hundred jobs to be done")
+    wait_until(lambda: done() >= 300, message="a few hundred jobs to be done")
 
     worker.send(signal.SIGKILL)
-    assert worker.wait(10) == -signal.SIGKILL
+    assert worker.wait() == -signal.SIGKILL
     at_kill = {
         row[0]: row[1]
         for row in query("SELECT id, attempts FROM pgjobs_job WHERE status = 'running'")
@@ -64,12 +64,11 @@ def test_sigkill_mid_run_then_reap_and_a_fresh_worker_finish_everything(
             )
             == [(0,)]
         ),
-        timeout=5,
         message="the killed worker's leases to expire",
     )
     reaper = workers.run("reapjobs")
     assert f"reaped {len(at_kill)} jobs: {len(at_kill)} requeued, 0 failed" in reaper.output()
-    workers.burst("--concurrency", "8", timeout=120)
+    workers.burst("--concurrency", "8", timeout=3 * PATIENCE)
 
     assert counts() == {"done": total}
     # The crash counted as an attempt for exactly the jobs it interrupted; none ran more often.
@@ -84,19 +83,19 @@ def test_worker_reconnects_when_its_connections_are_terminated(workers: Workers)
     worker = workers.start(
         "--concurrency", "4", "--lease", "5", "--reap-interval", "2", "--poll-interval", "1"
     )
-    wait_until(lambda: done() >= 100, timeout=30, message="the run to get going")
+    wait_until(lambda: done() >= 100, message="the run to get going")
 
     # Every connection of the worker (producer, completer, LISTEN), never the test's own.
     victims = worker.backends() + listener_backends()
     assert terminate(victims) >= 2
     assert done() < total, "the run ended before the outage"
 
-    wait_until(lambda: done() == total, timeout=60, message="the queue to be finished")
+    wait_until(lambda: done() == total, timeout=3 * PATIENCE, message="the queue to be finished")
     assert query(BLAMED) == [(0,)]
     assert counts() == {"done": total}
     assert_reconnected(worker)
     worker.send(signal.SIGTERM)
-    assert worker.wait(15) == 0
+    assert worker.wait() == 0
 
 
 class _Server:
@@ -134,7 +133,7 @@ def test_worker_rides_out_a_database_restart(workers: Workers) -> None:
     with ThrowawayPostgres() as pg:
         server = _Server(pg.url)
         try:
-            workers.run("migrate", "--verbosity", "0", database_url=pg.url, timeout=120)
+            workers.run("migrate", "--verbosity", "0", database_url=pg.url, timeout=2 * PATIENCE)
             server.query(
                 "INSERT INTO pgjobs_job (task, payload) SELECT "
                 f"'{SLEEP}', jsonb_build_object('seconds', 0.01) "
@@ -151,13 +150,15 @@ def test_worker_rides_out_a_database_restart(workers: Workers) -> None:
                 "1",
                 database_url=pg.url,
             )
-            wait_until(lambda: server.done() >= 100, timeout=30, message="the run to get going")
+            wait_until(lambda: server.done() >= 100, message="the run to get going")
             server.close()
             pg.restart(down_for=2)
             assert server.done() < total, "the run ended before the restart"
 
             wait_until(
-                lambda: server.done() == total, timeout=60, message="the queue to be finished"
+                lambda: server.done() == total,
+                timeout=3 * PATIENCE,
+                message="the queue to be finished",
             )
             assert server.query(BLAMED) == [(0,)]
             assert server.query("SELECT status, count(*) FROM pgjobs_job GROUP BY status") == [
@@ -165,6 +166,6 @@ def test_worker_rides_out_a_database_restart(workers: Workers) -> None:
             ]
             assert_reconnected(worker)
             worker.send(signal.SIGTERM)
-            assert worker.wait(15) == 0
+            assert worker.wait() == 0
         finally:
             server.close()

@@ -5,7 +5,6 @@ a database restart until its own SIGTERM."""
 from __future__ import annotations
 
 import signal
-import time
 
 import psycopg
 import pytest
@@ -37,7 +36,6 @@ def test_jobs_claimed_after_sigterm_are_released_not_run(workers: Workers) -> No
         query("SELECT pg_notify('pgjobs', 'default')")
         wait_until(
             lambda: "Lock" in {wait for *_, wait in worker.activity().values()},
-            timeout=10,
             message="the worker's claim to wait on the lock",
         )
         # ... while it is asked to stop.
@@ -46,7 +44,7 @@ def test_jobs_claimed_after_sigterm_are_released_not_run(workers: Workers) -> No
         assert worker.alive
     # The lock is gone: the claim returns 2 jobs to a worker that is stopping.
 
-    assert worker.wait(15) == 0, worker.tail()
+    assert worker.wait() == 0, worker.tail()
     summary = "ran 0 jobs: 0 done, 0 to retry, 0 failed, 0 lost; 2 released, 0 reaped"
     assert worker.output().strip().splitlines()[-1] == summary, worker.tail()
     assert summary in worker.log()
@@ -82,8 +80,10 @@ def test_jobs_handed_out_before_the_stop_run_however_late_an_executor_takes_them
 def test_jobs_still_running_after_the_shutdown_timeout_are_left_to_their_lease(
     workers: Workers,
 ) -> None:
-    # Its order is written as it starts; then it takes 6 s.
-    job_id = write_order.enqueue(email="slow@example.com", pause=6).id
+    # Its order is written as it starts; then it takes ten minutes: were the worker to wait
+    # for it rather than for its 1 s shutdown timeout, it would still be running when the
+    # test gives up waiting for it.
+    job_id = write_order.enqueue(email="slow@example.com", pause=600).id
     worker = workers.start(
         "--shutdown-timeout",
         "1",
@@ -93,12 +93,10 @@ def test_jobs_still_running_after_the_shutdown_timeout_are_left_to_their_lease(
         "600",
         test_jobs=True,
     )
-    wait_until(Order.objects.exists, timeout=15, message="the job to be running")
+    wait_until(Order.objects.exists, message="the job to be running")
 
     worker.send(signal.SIGTERM)
-    sent = time.monotonic()
-    assert worker.wait(10) == 0, worker.tail()
-    assert time.monotonic() - sent < 3.5
+    assert worker.wait() == 0, worker.tail()
 
     assert "1 jobs still running after the 1 s shutdown timeout" in worker.log()
     # Not done, not given back: still running on its first attempt until its lease ends and
@@ -119,7 +117,6 @@ def test_a_looping_reaper_rides_out_a_database_restart(workers: Workers) -> None
         reaper = workers.command("reapjobs", "--loop", "--interval", "0.5", database_url=pg.url)
         wait_until(
             lambda: "reaped 0 jobs" in reaper.output(),
-            timeout=20,
             message="the reaper's first round",
         )
 
@@ -154,4 +151,4 @@ def test_a_looping_reaper_rides_out_a_database_restart(workers: Workers) -> None
         assert "reaped 1 jobs: 1 requeued, 0 failed" in reaper.output()
 
         reaper.send(signal.SIGTERM)
-        assert reaper.wait(10) == 0, reaper.tail()
+        assert reaper.wait() == 0, reaper.tail()

@@ -4,7 +4,6 @@ lets running jobs finish; a second one exits at once and leaves them for the rea
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 
@@ -23,13 +22,13 @@ def ids_with(status: str) -> set[int]:
 def test_sigterm_stops_claiming_and_lets_running_jobs_finish(workers: Workers) -> None:
     Job.objects.enqueue_many(sleep, [{"seconds": 3}] * 22)
     worker = workers.start("--concurrency", "2", "--poll-interval", "600")
-    wait_until(lambda: running() == 2, timeout=15, message="two jobs to be running")
+    wait_until(lambda: running() == 2, message="two jobs to be running")
     started = ids_with("running")
     # It claims only what it has free slots for: two, not a batch.
     assert counts() == {"running": 2, "queued": 20}
 
     worker.send(signal.SIGTERM)
-    assert worker.wait(20) == 0
+    assert worker.wait() == 0
 
     # It waited for the two jobs rather than abandoning them: each ran its whole 3 s (from
     # its claim to its completion on the database clock; how long after the claim the signal
@@ -62,19 +61,17 @@ def test_sigterm_stops_claiming_and_lets_running_jobs_finish(workers: Workers) -
 def test_a_second_signal_exits_at_once_leaving_running_jobs_for_the_reaper(
     workers: Workers,
 ) -> None:
-    Job.objects.enqueue_many(sleep, [{"seconds": 20}] * 3)
+    # Ten-minute jobs: a worker that waited for them would outlast the test's patience.
+    Job.objects.enqueue_many(sleep, [{"seconds": 600}] * 3)
     worker = workers.start("--concurrency", "2", "--lease", "2", "--poll-interval", "600")
-    wait_until(lambda: running() == 2, timeout=15, message="two jobs to be running")
+    wait_until(lambda: running() == 2, message="two jobs to be running")
     started = ids_with("running")
 
     worker.send(signal.SIGTERM)
     worker.wait_for_log("SIGTERM: stopping")
     worker.send(signal.SIGINT)
-    sent = time.monotonic()
-    status = worker.wait(5)
 
-    assert status == 1
-    assert time.monotonic() - sent < 3, "the second signal must not wait for the jobs"
+    assert worker.wait() == 1, "the second signal must not wait for the jobs"
     assert "SIGINT again: exiting now" in worker.log()
     # Left as they were: running, first attempt, until their lease runs out.
     assert ids_with("running") == started
@@ -87,7 +84,6 @@ def test_a_second_signal_exits_at_once_leaving_running_jobs_for_the_reaper(
             query("SELECT bool_and(locked_until < now()) FROM pgjobs_job WHERE status = 'running'")
             == [(True,)]
         ),
-        timeout=5,
         message="the leases to expire",
     )
     reaper = workers.run("reapjobs")

@@ -10,8 +10,9 @@ itself ``pgjobs-listener``.
 
 The module also defines jobs the testproject lacks (one that writes through the ORM and can
 then raise, one that reads through it, one that calls ``sys.exit``, one whose error text cannot
-be encoded, one retried after a second); a worker started with ``test_jobs=True`` imports this
-module so it can run them, and ``tests.periodic_jobs`` (schedules only when asked for).
+be encoded, one retried after a second, and two that end on the test's signal rather than a
+clock's); a worker started with ``test_jobs=True`` imports this module so it can run them, and
+``tests.periodic_jobs`` (whose schedules are declared only when a test asks for them).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from typing import Any
 from django.conf import settings
 from django.db import connections
 
-from django_pgjobs import current_job, job
-from tests.helpers import job_row, wait_until
+from django_pgjobs import current_job, job, sql
+from tests.helpers import PATIENCE, job_row, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 LISTENER_APP = "pgjobs-listener"
@@ -88,6 +89,32 @@ def fails_first(times: int = 1) -> None:
     assert ctx is not None
     if ctx.attempts <= times:
         raise RuntimeError(f"attempt {ctx.attempts} fails on purpose")
+
+
+@job
+def until_claimed(count: int = 2) -> None:
+    """Return once ``count`` jobs were claimed (running or done), this one included: run until
+    another job was claimed beside it. Fails if none is while it waits."""
+    from django_pgjobs.models import Job
+
+    wait_until(
+        lambda: Job.objects.filter(status__in=["running", "done"]).count() >= count,
+        interval=0.05,
+        message=f"{count} jobs to be claimed",
+    )
+
+
+@job
+def until_order(email: str) -> None:
+    """Run until the test creates an Order for ``email`` (so the test, not a clock, decides
+    how long the job outlives its lease); return early if the lease is lost."""
+    from testproject.shop.models import Order
+
+    def go_ahead() -> bool:
+        ctx = current_job()
+        return (ctx is not None and ctx.lost) or Order.objects.filter(email=email).exists()
+
+    wait_until(go_ahead, interval=0.05, message=f"an order for {email}")
 
 
 # @job has no backoff option: retry 0.5 * 2^attempts s (at most 1 s) later, not the 20 s of
@@ -153,7 +180,7 @@ class Process:
     def send(self, sig: signal.Signals) -> None:
         self.popen.send_signal(sig)
 
-    def wait(self, timeout: float = 60.0) -> int:
+    def wait(self, timeout: float = PATIENCE) -> int:
         """Wait for the process to exit; return its exit status."""
         try:
             return self.popen.wait(timeout)
@@ -170,7 +197,7 @@ class Process:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log().splitlines()[-lines:]) + "\n--- stdout:\n" + self.output()
 
-    def wait_for_log(self, text: str, timeout: float = 20.0) -> str:
+    def wait_for_log(self, text: str, timeout: float = PATIENCE) -> str:
         """Wait until ``text`` appears in the log; fail early if the process exits first."""
 
         def seen() -> bool:
@@ -208,9 +235,29 @@ class Process:
         )
         return {row[0]: tuple(row[1:]) for row in rows}
 
-    def wait_until_idle(self, quiet: float = 1.0, timeout: float = 20.0) -> None:
-        """Wait until its connections (its own and the LISTEN one) exist, are idle and have not
-        moved for ``quiet`` s: start-up (reap, claim, LISTEN, catch-up claim) is over."""
+    def sent(self, statement: str, *, waiting: bool = False) -> bool:
+        """Whether the latest statement of one of its connections is ``statement`` (compared
+        on its first line: the driver may have bound the parameters into the text); with
+        ``waiting``, one that is still waiting for a lock."""
+        head = statement.strip().splitlines()[0]
+        return any(
+            str(text).strip().startswith(head) and (wait == "Lock" or not waiting)
+            for text, wait in query(
+                "SELECT query, wait_event_type FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = %s",
+                [self.app_name],
+            )
+        )
+
+    def wait_until_idle(self, quiet: float = 1.0, timeout: float = PATIENCE) -> None:
+        """Wait until start-up is over and its connections (its own and the LISTEN one) are
+        idle and have not moved for ``quiet`` s.
+
+        Start-up is the first tick (reap, claim, due-time lookup), the LISTEN, the catch-up
+        claim it triggers, and the probe of the LISTEN connection that the first tick asked
+        for: the probe runs only after the LISTEN, on the listener's next turn (up to a second
+        later), so stillness alone could be mistaken for the end of start-up just before it.
+        The listener's latest statement being the probe is what says that it is over."""
         last: list[dict[int, tuple[Any, ...]]] = [{}]
         since = [time.monotonic()]
 
@@ -223,6 +270,7 @@ class Process:
             return (
                 len(now) >= 2
                 and {state for state, *_ in now.values()} == {"idle"}
+                and listener_statements() == [sql.PROBE]
                 and time.monotonic() - since[0] >= quiet
             )
 
@@ -267,14 +315,14 @@ class Workers:
         self.started.append(process)
         return process
 
-    def run(self, command: str, *args: str, timeout: float = 60.0, **kwargs: Any) -> Process:
+    def run(self, command: str, *args: str, timeout: float = PATIENCE, **kwargs: Any) -> Process:
         """Run a command to completion; it must exit 0."""
         process = self.command(command, *args, **kwargs)
         status = process.wait(timeout)
         assert status == 0, f"{command} {args} exited {status}:\n{process.tail()}"
         return process
 
-    def burst(self, *args: str, timeout: float = 60.0, **kwargs: Any) -> Process:
+    def burst(self, *args: str, timeout: float = PATIENCE, **kwargs: Any) -> Process:
         """``runjobs --burst *args`` to completion (exit 0)."""
         return self.run("runjobs", "--burst", *args, timeout=timeout, **kwargs)
 
@@ -353,13 +401,25 @@ def terminate(pids: list[int]) -> int:
     )
 
 
-def run_time(job_id: int, timeout: float) -> float:
-    """Seconds until the job is done, measured from now; fails after ``timeout``."""
-    start = time.monotonic()
+def listener_statements() -> list[str]:
+    """The latest statement of each LISTEN connection to the test database."""
+    return [
+        row[0]
+        for row in query(
+            "SELECT query FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s",
+            [LISTENER_APP],
+        )
+    ]
+
+
+def wait_done(job_id: int, timeout: float = PATIENCE) -> dict[str, Any]:
+    """Wait for the job to be done; return its row. How soon is not the point: a test that
+    needs "soon" compares with a wait that would be far longer (an hour's poll interval)."""
     wait_until(
         lambda: job_row(job_id)["status"] == "done",
         timeout=timeout,
         interval=0.02,
         message=f"job {job_id} to be done",
     )
-    return time.monotonic() - start
+    return job_row(job_id)

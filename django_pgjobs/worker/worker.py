@@ -27,7 +27,6 @@ from django.db import DatabaseError, connections
 
 from django_pgjobs import conf, lifecycle, schedules, validation
 from django_pgjobs.connections import connection_params
-from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker.completer import Completer
@@ -80,33 +79,35 @@ class Worker:
         self.batch_size = validation.positive_int(
             "batch_size", conf.batch_size() if batch_size is None else batch_size
         )
-        self.lease = validation.positive_duration("lease", conf.lease() if lease is None else lease)
-        if self.lease < timedelta(seconds=1):
-            raise InvalidJobOptions(f"Invalid lease {self.lease}: a worker needs 1 s or more.")
-        self.poll_interval = _seconds(
-            "poll_interval",
-            conf.poll_interval() if poll_interval is None else poll_interval,
-            minimum=0.01,
+        # Each option is checked by the same validator as its PGJOBS setting.
+        self.lease = (
+            conf.lease() if lease is None else validation.duration("lease", lease, minimum=1)
         )
-        self.reap_interval = _seconds(
-            "reap_interval",
-            conf.reap_interval() if reap_interval is None else reap_interval,
-            minimum=0,
+        self.poll_interval = (
+            conf.poll_interval()
+            if poll_interval is None
+            else validation.seconds("poll_interval", poll_interval, minimum=0.01)
         )
-        self.mode = conf.mode() if mode is None else mode
-        if self.mode not in conf.MODES:
-            raise InvalidJobOptions(f"Invalid mode {self.mode!r}: use 'lease' or 'transaction'.")
+        self.reap_interval = (
+            conf.reap_interval()
+            if reap_interval is None
+            else validation.seconds("reap_interval", reap_interval, minimum=0)
+        )
+        self.mode = conf.mode() if mode is None else validation.mode(mode)
         self.burst = burst
         self.max_jobs = None if max_jobs is None else validation.positive_int("max_jobs", max_jobs)
-        self.database = database or conf.database()
-        self.listen_database = listen_database or conf.get("LISTEN_DATABASE") or self.database
-        for alias in (self.database, self.listen_database):
-            if alias not in connections:
-                raise InvalidJobOptions(f"Unknown database alias {alias!r}: see DATABASES.")
-        self.shutdown_timeout = _seconds(
-            "shutdown_timeout",
-            conf.shutdown_timeout() if shutdown_timeout is None else shutdown_timeout,
-            minimum=0,
+        self.database = (
+            conf.database() if database is None else str(validation.alias(database, "database"))
+        )
+        self.listen_database = (
+            str(validation.alias(listen_database, "listen_database"))
+            if listen_database is not None
+            else conf.listen_database() or self.database
+        )
+        self.shutdown_timeout = (
+            conf.shutdown_timeout()
+            if shutdown_timeout is None
+            else validation.seconds("shutdown_timeout", shutdown_timeout, minimum=0)
         )
         # Lease mode's claims and outcomes are the worker's own transactions, on connections
         # of its own; in transaction mode they share the job's transaction, which keeps the
@@ -115,9 +116,7 @@ class Worker:
         self.store = Store(
             self.database,
             direct=lease_mode,
-            synchronous_commit=validation.synchronous_commit(
-                conf.worker_synchronous_commit() if lease_mode else None
-            ),
+            synchronous_commit=conf.worker_synchronous_commit() if lease_mode else None,
             prepare=conf.prepare(),
         )
         self.worker_id = default_worker_id()
@@ -425,11 +424,3 @@ class Worker:
             listener.join(timeout=5.0)
         self.store.close()
         connections.close_all()
-
-
-def _seconds(name: str, value: Any, *, minimum: float) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-        raise InvalidJobOptions(f"Invalid {name} {value!r}: use a number of seconds >= {minimum}.")
-    return float(value)
