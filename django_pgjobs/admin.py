@@ -31,7 +31,7 @@ from django.utils.safestring import SafeString
 from django_pgjobs import doctor, registry, sql, validation
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.lifecycle import last_line
-from django_pgjobs.models import FailedJob, Job, QueueDashboard, Status
+from django_pgjobs.models import FailedJob, Job, QueueDashboard, ScheduleState, Status
 
 if TYPE_CHECKING:
     _JobModelAdmin = admin.ModelAdmin[Job]
@@ -160,6 +160,9 @@ class JobAdmin(_JobModelAdmin):
         "attempted_at",
         "finished_at",
         "worker_ids",
+        # A periodic job's schedule and the tick it serves (empty for any other job).
+        "schedule",
+        "scheduled_at",
         "payload_pretty",
         "result_pretty",
         "error_full",
@@ -362,6 +365,34 @@ class QueueDashboardAdmin(_DashboardModelAdmin):
             "can_see_failures": request.user.has_perm("django_pgjobs.view_job"),
         }
         return TemplateResponse(request, "admin/django_pgjobs/dashboard.html", context)
+
+
+@admin.register(ScheduleState)
+class SchedulesAdmin(QueueDashboardAdmin):
+    """The periodic schedules declared in code, with their last and next tick: one page,
+    read-only (a schedule changes in code, and takes effect when the workers restart)."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is not None:
+            return False
+        return bool(request.user.is_active and request.user.is_staff) and (
+            request.user.has_perm("django_pgjobs.view_job")
+            or request.user.has_perm("django_pgjobs.view_schedulestate")
+        )
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Schedules",
+            "opts": self.model._meta,
+            "schedules": doctor.schedule_health(),
+            "can_see_jobs": request.user.has_perm("django_pgjobs.view_job"),
+        }
+        return TemplateResponse(request, "admin/django_pgjobs/schedules.html", context)
 
 
 def _pre(text: str) -> SafeString:

@@ -21,6 +21,7 @@ from django_pgjobs.exceptions import InvalidJobOptions
 def register() -> None:
     checks.register(check_settings, checks.Tags.compatibility)
     checks.register(check_engine, checks.Tags.compatibility)
+    checks.register(check_schedules, checks.Tags.compatibility)
 
 
 _NUMBER = "pgjobs.E002"
@@ -146,4 +147,45 @@ def check_engine(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
                 id="pgjobs.E010",
             )
         )
+    return errors
+
+
+def check_schedules(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
+    """Every periodic schedule (``@periodic`` and ``PGJOBS["SCHEDULE"]``): ids pgjobs.E030+."""
+    from django_pgjobs import schedules
+
+    errors: list[Any] = []
+    setting = conf.schedule()
+    entries = setting.items() if isinstance(setting, dict) else []
+    if not isinstance(setting, dict):
+        errors.append(
+            checks.Error(
+                f"PGJOBS['SCHEDULE'] is {setting!r}.",
+                hint="Use a dict: {'name': {'task': 'dotted.name', 'cron': '*/5 * * * *'}}.",
+                id="pgjobs.E038",
+            )
+        )
+    for name, entry in entries:
+        if not isinstance(entry, dict):
+            errors.append(
+                checks.Error(
+                    f"PGJOBS['SCHEDULE'][{name!r}] is {entry!r}, not a dict.",
+                    hint="Use {'task': 'dotted.name', 'cron': '...'} (or 'every': seconds).",
+                    id="pgjobs.E038",
+                )
+            )
+            continue
+        unknown = sorted(set(entry) - set(schedules.SETTING_KEYS))
+        if unknown:
+            errors.append(
+                checks.Error(
+                    f"PGJOBS['SCHEDULE'][{name!r}] has unknown keys {unknown}.",
+                    hint=f"Known keys: {', '.join(schedules.SETTING_KEYS)}.",
+                    id="pgjobs.E038",
+                )
+            )
+    errors.extend(
+        checks.Error(message, hint=hint, id=check_id)
+        for check_id, message, hint in schedules.problems(schedules.declared())
+    )
     return errors

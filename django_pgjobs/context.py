@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 _current: ContextVar[JobContext | None] = ContextVar("pgjobs_current_job", default=None)
@@ -25,6 +26,10 @@ class JobContext:
     attempts: int
     max_attempts: int
     payload: dict[str, Any]
+    # A periodic job's schedule name and the tick it serves: the time it was due, not the
+    # time it started (None for a job that no schedule enqueued).
+    schedule: str | None = None
+    scheduled_at: datetime | None = None
     _lost: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property

@@ -25,7 +25,7 @@ from typing import Any
 
 from django.db import connections
 
-from django_pgjobs import conf, sql
+from django_pgjobs import conf, schedules, sql
 from django_pgjobs.lifecycle import last_line
 
 
@@ -171,6 +171,8 @@ class Report:
     horizon: list[Holder]
     vacuum_locks: list[dict[str, Any]]
     invalid_indexes: list[str]
+    # Each declared periodic schedule: its last and next tick, its last job, its errors.
+    schedules: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -229,9 +231,48 @@ def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> 
         horizon=horizon,
         vacuum_locks=sql.records(connection, sql.VACUUM_LOCKS, {}),
         invalid_indexes=[row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})],
+        schedules=schedule_health(alias),
     )
     report.problems = [problem for check in CHECKS for problem in check(report, limits)]
     return report
+
+
+def schedule_health(alias: str | None = None) -> list[dict[str, Any]]:
+    """Each valid declared schedule, by name, with what its row says, judged by the database
+    clock: ``overdue`` when the tick before the latest one was never enqueued (no worker ran
+    the scheduler for a whole tick). Only declared schedules: a removed one's row is inert."""
+    valid = [s for s in schedules.declared() if not s.problems()]
+    if not valid:
+        return []
+    connection = connections[alias or conf.database()]
+    now = schedules.database_now(connection)
+    states = schedules.states(connection, [s.name for s in valid])
+    found = []
+    for schedule in sorted(valid, key=lambda s: s.name):
+        latest, following = schedules.ticks(schedule, now)
+        previous, _ = schedules.ticks(schedule, latest - timedelta(microseconds=1))
+        state = states.get(schedule.name, {})
+        current = state.get("spec") == schedule.spec
+        last_tick = state.get("last_tick") if current else None
+        found.append(
+            {
+                "name": schedule.name,
+                "task": schedule.task,
+                "expression": schedule.cron or schedule.spec,
+                "description": schedule.describe(),
+                "kwargs": schedule.kwargs or {},
+                "last_tick": last_tick,
+                "next_tick": following,
+                "last_job_id": state.get("last_job_id") if current else None,
+                "job_status": state.get("job_status") if current else None,
+                "last_error": state.get("last_error"),
+                "failures": state.get("failures") or 0,
+                "failed_at": state.get("failed_at"),
+                "overdue": last_tick is not None and last_tick < previous,
+                "due": latest,
+            }
+        )
+    return found
 
 
 def vacuum_threshold(table: dict[str, Any]) -> int:
@@ -461,6 +502,27 @@ def check_autovacuum_behind(report: Report, limits: Thresholds) -> list[str]:
     ]
 
 
+def check_schedules(report: Report, limits: Thresholds) -> list[str]:
+    problems = []
+    for schedule in report.schedules:
+        if schedule["last_error"]:
+            problems.append(
+                f"schedule {schedule['name']}: its last {schedule['failures']} scheduler "
+                f"step(s) failed (the latest at {schedule['failed_at']:%Y-%m-%d %H:%M:%S%z}): "
+                f"{one_line(schedule['last_error'].strip().splitlines()[0])}; the workers' logs "
+                "have the traceback (logger django_pgjobs.scheduler)."
+            )
+        if schedule["overdue"]:
+            problems.append(
+                f"schedule {schedule['name']} ({schedule['description']}) is overdue: its last "
+                f"tick enqueued is {schedule['last_tick']:%Y-%m-%d %H:%M:%S%z}, but the tick "
+                f"due at {schedule['due']:%Y-%m-%d %H:%M:%S%z} and the one before it were "
+                "not: no worker is running the scheduler (start runjobs without "
+                "--no-schedule)."
+            )
+    return problems
+
+
 CHECKS: list[Check] = [
     check_queue_lag,
     check_expired_leases,
@@ -469,6 +531,7 @@ CHECKS: list[Check] = [
     check_invalid_indexes,
     check_autovacuum_settings,
     check_autovacuum_behind,
+    check_schedules,
 ]
 
 

@@ -53,6 +53,9 @@ class ClaimedJob:
     # How often this job was given back because the queue's database was away.
     outage_releases: int = 0
     invalid_payload: str | None = None
+    # A periodic job's schedule and the tick it serves (None for any other job).
+    schedule: str | None = None
+    scheduled_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,8 @@ def claim(
         "synchronous_commit": synchronous_commit,
     }
     jobs = []
-    for job_id, job_queue, task, text, attempts, max_attempts, claimed_at, outages in sql.run(
-        connection, sql.CLAIM, params
-    ):
+    for row in sql.run(connection, sql.CLAIM, params):
+        job_id, job_queue, task, text, attempts, max_attempts, claimed_at, outages = row[:8]
         payload, invalid = _payload(text)
         jobs.append(
             ClaimedJob(
@@ -188,6 +190,8 @@ def claim(
                 claimed_at,
                 outages,
                 invalid,
+                schedule=row[8],
+                scheduled_at=row[9],
             )
         )
     return jobs

@@ -71,6 +71,9 @@ class Job(models.Model):
     errors = models.JSONField(default=list)
     worker_ids = models.JSONField(default=list)
     outage_releases = models.IntegerField(default=0)
+    # A periodic job's schedule and the tick it serves (NULL for any other job).
+    schedule = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL: not periodic
+    scheduled_at = models.DateTimeField(null=True, blank=True)
 
     objects: ClassVar[JobManager] = JobManager()
 
@@ -166,6 +169,8 @@ class ArchivedJob(models.Model):
     errors = models.JSONField(default=list)
     worker_ids = models.JSONField(default=list)
     outage_releases = models.IntegerField(default=0)
+    schedule = models.TextField(null=True, blank=True)  # noqa: DJ001 - mirrors Job
+    scheduled_at = models.DateTimeField(null=True, blank=True)
     archived_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -174,3 +179,30 @@ class ArchivedJob(models.Model):
 
     def __str__(self) -> str:
         return f"Archived job {self.id} {self.task} [{self.status}]"
+
+
+class ScheduleState(models.Model):
+    """What the database knows of one periodic schedule (``pgjobs_schedule``).
+
+    The schedules themselves are declared in code (``@periodic``, ``PGJOBS["SCHEDULE"]``);
+    this row only keeps the last tick enqueued, so that each tick becomes one job however
+    many workers run the scheduler. A row whose schedule was removed from the code is inert.
+    """
+
+    name = models.TextField(primary_key=True)
+    # What decided the ticks (cron expression and time zone, or interval).
+    spec = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL: never ticked
+    last_tick = models.DateTimeField(null=True, blank=True)
+    last_job_id = models.BigIntegerField(null=True, blank=True)
+    last_error = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL: no error
+    failures = models.IntegerField(default=0)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "pgjobs_schedule"
+        verbose_name = "schedule"
+        verbose_name_plural = "schedules"
+
+    def __str__(self) -> str:
+        return f"Schedule {self.name}"

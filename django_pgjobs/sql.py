@@ -112,7 +112,7 @@ WHERE j.id = next.id"""
     + _COMMIT
     + """
 RETURNING j.id, j.queue, j.task, j.payload::text, j.attempts, j.max_attempts, j.attempted_at,
-          j.outage_releases
+          j.outage_releases, j.schedule, j.scheduled_at
 """
 )
 
@@ -283,14 +283,72 @@ WITH doomed AS (
   WHERE j.id = doomed.id
   RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
             j.max_attempts, j.locked_until, j.last_error, j.created_at, j.started_at,
-            j.finished_at, j.attempted_at, j.result, j.errors, j.worker_ids, j.outage_releases
+            j.finished_at, j.attempted_at, j.result, j.errors, j.worker_ids, j.outage_releases,
+            j.schedule, j.scheduled_at
 )
 INSERT INTO pgjobs_job_archive (id, queue, task, payload, status, priority, run_at, attempts,
                                 max_attempts, locked_until, last_error, created_at,
                                 started_at, finished_at, attempted_at, result, errors,
-                                worker_ids, outage_releases)
+                                worker_ids, outage_releases, schedule, scheduled_at)
 SELECT * FROM moved
 """
+
+# -- periodic jobs (schedules.py). A tick becomes a job if and only if this statement moves
+# the schedule's row forward to it: the upsert takes the row's lock, so schedulers of every
+# worker serialize on it, and the one that comes second finds the tick already there (its
+# WHERE is false: no row, so no job). The job's id is drawn only by the update that wins,
+# and the job is inserted in the same statement, so a crash can leave neither a tick
+# without its job nor a job without its tick; no leader, and no lock outlives the statement.
+# A new row, or a row of another spec (the schedule changed in code), is only set to the
+# tick: a schedule's first job is its first tick after it was deployed, never the deploy.
+TICK: LiteralString = """
+WITH tick AS (
+  INSERT INTO pgjobs_schedule AS s (name, spec, last_tick, updated_at)
+  VALUES (%(name)s, %(spec)s, %(tick)s, now())
+  ON CONFLICT (name) DO UPDATE
+  SET spec        = EXCLUDED.spec,
+      last_tick   = EXCLUDED.last_tick,
+      last_job_id = CASE WHEN s.spec = EXCLUDED.spec
+                         THEN nextval(pg_get_serial_sequence('pgjobs_job', 'id')) END,
+      last_error  = NULL,
+      failures    = 0,
+      updated_at  = now()
+  WHERE s.spec IS DISTINCT FROM EXCLUDED.spec OR s.last_tick < EXCLUDED.last_tick
+  RETURNING s.last_job_id
+)
+INSERT INTO pgjobs_job (id, queue, task, payload, priority, max_attempts, run_at, schedule,
+                        scheduled_at)
+OVERRIDING SYSTEM VALUE
+SELECT tick.last_job_id, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
+       %(max_attempts)s, now(), %(name)s, %(tick)s
+FROM tick
+WHERE tick.last_job_id IS NOT NULL
+RETURNING id,
+  CASE WHEN %(notify_channel)s::text IS NOT NULL THEN pg_notify(%(notify_channel)s, queue) END
+"""
+
+# A scheduler step that failed: its error on the row (a new row gets no spec, so the first
+# successful step only sets its tick). The next success clears it.
+TICK_FAILED: LiteralString = """
+INSERT INTO pgjobs_schedule AS s (name, last_error, failures, failed_at, updated_at)
+VALUES (%(name)s, %(error)s, 1, now(), now())
+ON CONFLICT (name) DO UPDATE
+SET last_error = EXCLUDED.last_error, failures = s.failures + 1, failed_at = now(),
+    updated_at = now()
+"""
+
+# The rows of the declared schedules (rows of removed schedules are never read), with the
+# status of each last tick's job (NULL once it was pruned).
+SCHEDULE_STATES: LiteralString = """
+SELECT s.name, s.spec, s.last_tick, s.last_job_id, s.last_error, s.failures, s.failed_at,
+       j.status
+FROM pgjobs_schedule s
+LEFT JOIN pgjobs_job j ON j.id = s.last_job_id
+WHERE s.name = ANY(%(names)s::text[])
+"""
+
+# The database's clock, which decides the ticks.
+NOW: LiteralString = "SELECT now()"
 
 
 # A Django connection, or one of a worker's own psycopg connections (worker.db.Direct).

@@ -7,6 +7,7 @@ the worker's ``--listen-database`` option as a deployment behind PgBouncer would
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,10 @@ for _name in ("NOTIFY", "PREPARE", "WORKER_SYNCHRONOUS_COMMIT"):
     if f"PGJOBS_{_name}" in os.environ:
         _value = os.environ[f"PGJOBS_{_name}"]
         PGJOBS[_name] = _WORDS.get(_value.lower(), _value)
+
+# Periodic schedules for one process (the admin's browser test), as JSON: PGJOBS["SCHEDULE"].
+if os.environ.get("PGJOBS_SCHEDULE"):
+    PGJOBS["SCHEDULE"] = json.loads(os.environ["PGJOBS_SCHEDULE"])
 
 LOGGING = {
     "version": 1,

@@ -61,6 +61,8 @@ NOT_EDITABLE = (
     "finished_at",
     "worker_ids",
     "outage_releases",
+    "schedule",
+    "scheduled_at",
     "payload_pretty",
     "result_pretty",
     "error_full",

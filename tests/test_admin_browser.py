@@ -1,4 +1,5 @@
-"""The admin in a real browser: log in, retry a failed job, look at the dashboard.
+"""The admin in a real browser: log in, retry a failed job, look at the dashboard and the
+periodic schedules.
 
 The testproject runs for real (``manage.py runserver`` in a child process, on pytest's test
 database) and headless Chromium, driven by Playwright, uses it as a person would. Debian's
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import socket
 import subprocess
@@ -23,9 +25,10 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import connections
+from django.db import connection, connections
 
-from tests.helpers import job_row, make_job, make_jobs, wait_until
+from django_pgjobs import schedules
+from tests.helpers import db_now, job_row, make_job, make_jobs, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACT = REPO / "artifacts" / "dashboard.png"
@@ -42,6 +45,12 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 PASSWORD = "a-browser-test-password"
+NOOP = "testproject.testjobs.noop"
+# Declared in the runserver process (PGJOBS["SCHEDULE"] from its environment).
+SCHEDULE = {
+    "nightly-report": {"task": NOOP, "cron": "0 2 * * *", "timezone": "Europe/Paris"},
+    "every-minute": {"task": NOOP, "every": 60},
+}
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -65,6 +74,7 @@ class Server:
             "DATABASE_URL": settings.DATABASE_URL,
             "PGJOBS_TEST_DATABASE_NAME": connections["default"].settings_dict["NAME"],
             "PYTHONUNBUFFERED": "1",
+            "PGJOBS_SCHEDULE": json.dumps(SCHEDULE),
         }
         environ.pop("DEBUG", None)
         with open(self.log_path, "wb") as log:
@@ -169,6 +179,16 @@ def fill_the_dashboard() -> None:
     )
 
 
+def tick_a_schedule() -> int:
+    """The every-minute schedule's last tick, enqueued as a worker would; its job's id."""
+    every = schedules.Schedule("every-minute", NOOP, "test", every=60)
+    latest, _ = schedules.ticks(every, db_now())
+    schedules.enqueue_tick(connection, every, latest - timedelta(minutes=1))
+    job_id = schedules.enqueue_tick(connection, every, latest)
+    assert job_id is not None
+    return job_id
+
+
 def test_log_in_retry_a_failed_job_and_see_the_dashboard(playwright: Any, server: Server) -> None:
     User.objects.create_superuser("operator", "ops@example.com", PASSWORD)
     failed = make_job(
@@ -189,6 +209,7 @@ def test_log_in_retry_a_failed_job_and_see_the_dashboard(playwright: Any, server
         finished_at=timedelta(minutes=-4),
     )
     fill_the_dashboard()
+    tick_job = tick_a_schedule()
     ARTIFACT.parent.mkdir(exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         ARTIFACT.unlink()
@@ -231,6 +252,17 @@ def test_log_in_retry_a_failed_job_and_see_the_dashboard(playwright: Any, server
             failures = page.inner_text("#pgjobs-failures")
             assert "RuntimeError: report 7 <b>timed out</b>" in failures  # shown as text
             page.screenshot(path=str(ARTIFACT), full_page=True)
+
+            # The Schedules page, next to it in the app's index.
+            page.click('a[href="/admin/django_pgjobs/"]')
+            page.click('a[href="/admin/django_pgjobs/schedulestate/"]')
+            page.wait_for_selector("#pgjobs-schedules")
+            schedules_text = page.inner_text("#pgjobs-schedules")
+            assert "At 02:00 every day (Europe/Paris)" in schedules_text, schedules_text
+            assert f"job {tick_job}: queued" in schedules_text, schedules_text
+            page.click(f'#pgjobs-schedules a[href="/admin/django_pgjobs/job/{tick_job}/change/"]')
+            page.wait_for_selector("#content")
+            assert "every-minute" in page.inner_text("#content")
         finally:
             browser.close()
 

@@ -330,6 +330,20 @@ def test_the_checker_reads_the_real_sqlmigrate_output_not_just_its_own_examples(
 
 
 @pytest.mark.django_db
+def test_the_schedules_migration_adds_instant_columns_under_its_lock_timeout() -> None:
+    """0007 adds nullable columns without a default: a catalog change, no row rewritten. Its
+    ALTERs on the jobs tables are refused by the checker once the lock_timeout is gone."""
+    name = next(m for m in MIGRATIONS if m.startswith("0007_"))
+    text = sqlmigrate(name)
+    alters = [s for s in statements(text) if s.upper().startswith("ALTER TABLE PGJOBS_JOB")]
+    assert len(alters) == 2
+    for alter in alters:
+        assert "DEFAULT" not in alter.upper() and "NOT NULL" not in alter.upper(), alter
+    unguarded = check_sql(text.replace("SET lock_timeout = '5s';", ""), atomic=False)
+    assert len(unguarded.problems) == 2, unguarded.problems
+
+
+@pytest.mark.django_db
 def test_the_checker_objects_to_the_constraint_migration_without_its_safeguards() -> None:
     name = next(m for m in MIGRATIONS if m.startswith("0006_"))
     text = sqlmigrate(name)

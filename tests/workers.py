@@ -11,7 +11,8 @@ itself ``pgjobs-listener``.
 The module also defines jobs the testproject lacks (one that writes through the ORM and can
 then raise, one that reads through it, one that calls ``sys.exit``, one whose error text cannot
 be encoded, one retried after a second, and two that end on the test's signal rather than a
-clock's); a worker started with ``test_jobs=True`` imports this module so it can run them.
+clock's); a worker started with ``test_jobs=True`` imports this module so it can run them, and
+``tests.periodic_jobs`` (whose schedules are declared only when a test asks for them).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ LISTENER_APP = "pgjobs-listener"
 SLEEP = "testproject.testjobs.sleep"
 # Starts Django, registers this module's jobs, then runs the command like manage.py would.
 WITH_TEST_JOBS = (
-    "import sys, django; django.setup(); import tests.workers; "
+    "import sys, django; django.setup(); import tests.workers, tests.periodic_jobs; "
     "from django.core.management import execute_from_command_line; "
     "execute_from_command_line(['manage.py', *sys.argv[1:]])"
 )

@@ -100,6 +100,8 @@ def context(job: ClaimedJob) -> JobContext:
         attempts=job.attempts,
         max_attempts=job.max_attempts,
         payload=job.payload,
+        schedule=job.schedule,
+        scheduled_at=job.scheduled_at,
     )
 
 

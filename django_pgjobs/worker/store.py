@@ -10,12 +10,12 @@ the thread's Django connection, inside the job's transaction, with the server's 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections
 
-from django_pgjobs import lifecycle, sql
+from django_pgjobs import lifecycle, schedules, sql
 from django_pgjobs.connections import DirectConnections
 from django_pgjobs.lifecycle import Claim, ClaimedJob, FailedAttempt, Reaped
 
@@ -76,3 +76,12 @@ class Store:
 
     def seconds_until_due(self, queues: Sequence[str]) -> float | None:
         return lifecycle.seconds_until_due(self._connection()[0], queues)
+
+    def database_now(self) -> datetime:
+        return schedules.database_now(self._connection()[0])
+
+    def enqueue_tick(self, schedule: schedules.Schedule, tick: datetime) -> int | None:
+        return schedules.enqueue_tick(self._connection()[0], schedule, tick)
+
+    def record_tick_failure(self, schedule: schedules.Schedule, error: str) -> None:
+        schedules.record_failure(self._connection()[0], schedule, error)

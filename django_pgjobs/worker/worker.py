@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from django.db import DatabaseError, connections
 
-from django_pgjobs import conf, lifecycle, validation
+from django_pgjobs import conf, lifecycle, schedules, validation
 from django_pgjobs.connections import connection_params
 from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.notify import Listener
@@ -34,6 +34,7 @@ from django_pgjobs.worker.db import Backoff, unavailable
 from django_pgjobs.worker.executor import Executor
 from django_pgjobs.worker.lease import LeaseMode
 from django_pgjobs.worker.outcomes import WorkerStats
+from django_pgjobs.worker.scheduler import Scheduler
 from django_pgjobs.worker.store import Store
 from django_pgjobs.worker.transaction import TransactionMode
 
@@ -50,7 +51,8 @@ class Worker:
 
     Every option defaults to its ``PGJOBS`` setting. ``run()`` returns the run's
     ``WorkerStats``; ``stop()`` (or SIGTERM/SIGINT once ``install_signal_handlers()`` was
-    called) begins a graceful shutdown, a second signal exits the process at once.
+    called) begins a graceful shutdown, a second signal exits the process at once. With
+    ``schedule`` (the default) it also enqueues the ticks of the periodic schedules.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class Worker:
         database: str | None = None,
         listen_database: str | None = None,
         shutdown_timeout: float | None = None,
+        schedule: bool = True,
     ) -> None:
         self.queues = [validation.queue_name(q) for q in (queues or [conf.default_queue()])]
         self.concurrency = validation.positive_int(
@@ -117,6 +120,8 @@ class Worker:
             prepare=conf.prepare(),
         )
         self.worker_id = default_worker_id()
+        # Invalid schedules stop the start (ImproperlyConfigured), as `manage.py check` would.
+        self.schedules = schedules.valid() if schedule else []
         self.stats = WorkerStats()
         self.stopping = threading.Event()
         self._wake = threading.Event()
@@ -234,11 +239,20 @@ class Worker:
         if not self.burst:
             listener = Listener(self.listen_database, self.queues, self._on_notify)
             listener.start()
+        scheduler = None
+        if self.schedules:
+            scheduler = Scheduler(self.store, self.schedules, self.worker_id)
+            logger.info(
+                "worker %s schedules: %s",
+                self.worker_id,
+                "; ".join(f"{s.name} ({s.describe()})" for s in self.schedules),
+                extra={"action": "start", "worker_id": self.worker_id},
+            )
         completer.start()
         for executor in executors:
             executor.start()
         try:
-            self._produce(completer, listener)
+            self._produce(completer, listener, scheduler)
         finally:
             self._shut_down(executors, completer, listener)
         logger.info(
@@ -250,11 +264,14 @@ class Worker:
         )
         return self.stats
 
-    def _produce(self, completer: Completer, listener: Listener | None) -> None:
+    def _produce(
+        self, completer: Completer, listener: Listener | None, scheduler: Scheduler | None
+    ) -> None:
         """Claim until stopped. All periodic work happens on one tick (the shorter of the
         poll and reap intervals): the fallback claim, the reap when due, the LISTEN probe.
-        Between ticks only a NOTIFY, a freed slot while the queue may hold more, or a
-        deferred job coming due wakes the producer, so an idle worker is silent."""
+        Between ticks only a NOTIFY, a freed slot while the queue may hold more, a
+        deferred job coming due, or a schedule's tick wakes the producer, so an idle worker
+        is silent."""
         backoff = Backoff("producer")
         settle = lifecycle.REAP_SETTLE.total_seconds()
         failed_at = -math.inf  # the producer's latest failed statement
@@ -296,6 +313,8 @@ class Worker:
                     reaped = self.store.reap()
                     self.stats.add("reaped", len(reaped))
                     # A requeued job sends no NOTIFY: the claim below looks for it now.
+                if scheduler is not None and (scheduler.next_step or 0.0) <= now:
+                    scheduler.step()
                 free = self.concurrency - self._inflight
                 if self.max_jobs is not None:
                     free = min(free, self.max_jobs - self.stats.claimed)
@@ -322,7 +341,8 @@ class Worker:
                 (self.burst and got == 0 and free > 0) or self.max_jobs == self.stats.claimed
             ):
                 return
-            wake_at = next_tick if next_due is None else min(next_tick, next_due)
+            ticks_at = scheduler.next_step if scheduler is not None else None
+            wake_at = min(t for t in (next_tick, next_due, ticks_at) if t is not None)
             self._wake.wait(max(0.0, wake_at - time.monotonic()))
 
     def _next_due(self) -> float | None:

@@ -115,6 +115,20 @@ class Command(BaseCommand):
         )
         write(f"Sessions idle in transaction: {len(report.idle_in_transaction)}")
         write(f"Invalid indexes: {', '.join(report.invalid_indexes) or 'none'}")
+        write("Schedules:" + ("" if report.schedules else " none"))
+        for schedule in report.schedules:
+            last = schedule["last_tick"]
+            job = (
+                f" (job {schedule['last_job_id']} {schedule['job_status'] or 'pruned'})"
+                if schedule["last_job_id"]
+                else ""
+            )
+            write(
+                f"  {schedule['name']}: {schedule['task']}, {schedule['description']}; last tick "
+                f"{last.isoformat() if last else 'never'}{job}, next "
+                f"{schedule['next_tick'].isoformat()}"
+                + (f"; {schedule['failures']} failed step(s)" if schedule["last_error"] else "")
+            )
         if report.healthy:
             write("Healthy.")
             return

@@ -54,6 +54,12 @@ class Command(BaseCommand):
             metavar="SECONDS",
             help="How long a stopping worker waits for running jobs.",
         )
+        parser.add_argument(
+            "--no-schedule",
+            action="store_false",
+            dest="schedule",
+            help="Do not enqueue the ticks of periodic schedules (another worker does).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -70,6 +76,7 @@ class Command(BaseCommand):
                 database=options["database"],
                 listen_database=options["listen_database"],
                 shutdown_timeout=options["shutdown_timeout"],
+                schedule=options["schedule"],
             )
         except InvalidJobOptions as exc:
             raise CommandError(str(exc)) from exc
