@@ -252,8 +252,7 @@ def schedule_health(alias: str | None = None) -> list[dict[str, Any]]:
         latest, following = schedules.ticks(schedule, now)
         previous, _ = schedules.ticks(schedule, latest - timedelta(microseconds=1))
         state = states.get(schedule.name, {})
-        current = state.get("spec") == schedule.spec
-        last_tick = state.get("last_tick") if current else None
+        last_tick = state.get("last_tick")
         found.append(
             {
                 "name": schedule.name,
@@ -263,8 +262,8 @@ def schedule_health(alias: str | None = None) -> list[dict[str, Any]]:
                 "kwargs": schedule.kwargs or {},
                 "last_tick": last_tick,
                 "next_tick": following,
-                "last_job_id": state.get("last_job_id") if current else None,
-                "job_status": state.get("job_status") if current else None,
+                "last_job_id": state.get("last_job_id"),
+                "job_status": state.get("job_status"),
                 "last_error": state.get("last_error"),
                 "failures": state.get("failures") or 0,
                 "failed_at": state.get("failed_at"),
@@ -502,10 +501,15 @@ def check_autovacuum_behind(report: Report, limits: Thresholds) -> list[str]:
     ]
 
 
+# Failed scheduler steps in a row that jobsdoctor reports as a problem.
+SCHEDULER_FAILURES = 3
+
+
 def check_schedules(report: Report, limits: Thresholds) -> list[str]:
     problems = []
     for schedule in report.schedules:
-        if schedule["last_error"]:
+        # One failed step is retried at the next tick; a run of them is the problem.
+        if schedule["last_error"] and schedule["failures"] >= SCHEDULER_FAILURES:
             problems.append(
                 f"schedule {schedule['name']}: its last {schedule['failures']} scheduler "
                 f"step(s) failed (the latest at {schedule['failed_at']:%Y-%m-%d %H:%M:%S%z}): "

@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any, NamedTuple
 
 from django_pgjobs import sql, validation
@@ -191,7 +192,7 @@ def claim(
                 outages,
                 invalid,
                 schedule=row[8],
-                scheduled_at=row[9],
+                scheduled_at=None if row[9] is None else row[9].astimezone(dt_timezone.utc),
             )
         )
     return jobs

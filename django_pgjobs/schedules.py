@@ -414,7 +414,8 @@ def database_now(connection: sql.Connection) -> datetime:
     """The database's clock: every tick is judged by it, never by a worker's."""
     value = sql.run(connection, sql.NOW, {})[0][0]
     assert isinstance(value, datetime)
-    return value
+    # In UTC whatever the session's TimeZone (a worker's own connections keep the server's).
+    return value.astimezone(dt_timezone.utc)
 
 
 def enqueue_tick(connection: sql.Connection, schedule: Schedule, tick: datetime) -> int | None:

@@ -299,8 +299,10 @@ SELECT * FROM moved
 # WHERE is false: no row, so no job). The job's id is drawn only by the update that wins,
 # and the job is inserted in the same statement, so a crash can leave neither a tick
 # without its job nor a job without its tick; no leader, and no lock outlives the statement.
-# A new row, or a row of another spec (the schedule changed in code), is only set to the
-# tick: a schedule's first job is its first tick after it was deployed, never the deploy.
+# A new row (or one a failed step made) is only set to the tick: a schedule's first job is
+# its first tick after it was deployed, never the deploy. The tick only ever moves forward,
+# whichever spec a worker runs: while old and new code run side by side (a rolling deploy),
+# each version's later ticks are enqueued, and neither undoes the other's.
 TICK: LiteralString = """
 WITH tick AS (
   INSERT INTO pgjobs_schedule AS s (name, spec, last_tick, updated_at)
@@ -308,12 +310,12 @@ WITH tick AS (
   ON CONFLICT (name) DO UPDATE
   SET spec        = EXCLUDED.spec,
       last_tick   = EXCLUDED.last_tick,
-      last_job_id = CASE WHEN s.spec = EXCLUDED.spec
+      last_job_id = CASE WHEN s.spec IS NOT NULL
                          THEN nextval(pg_get_serial_sequence('pgjobs_job', 'id')) END,
       last_error  = NULL,
       failures    = 0,
       updated_at  = now()
-  WHERE s.spec IS DISTINCT FROM EXCLUDED.spec OR s.last_tick < EXCLUDED.last_tick
+  WHERE s.last_tick IS NULL OR s.last_tick < EXCLUDED.last_tick
   RETURNING s.last_job_id
 )
 INSERT INTO pgjobs_job (id, queue, task, payload, priority, max_attempts, run_at, schedule,

@@ -244,15 +244,21 @@ def test_a_new_schedule_starts_at_its_next_tick_then_enqueues_each_tick_once() -
 
 
 @uses_db
-def test_a_changed_schedule_is_reset_not_run_for_its_old_ticks() -> None:
+def test_a_changed_schedule_runs_its_later_ticks_and_never_goes_back() -> None:
     old = Schedule("report", NOOP, "test", cron="0 3 * * *", timezone="UTC")
     tick(old, at(2024, 5, 1, 3))
     assert tick(old, at(2024, 5, 2, 3)) is not None
-    # Moved to 02:00: the 02:00 tick of May 3 is its first under the new spec, no job; the
-    # next one is.
+    # Moved to 02:00: its ticks after the last one recorded run.
     new = Schedule("report", NOOP, "test", cron="0 2 * * *", timezone="UTC")
+    assert tick(new, at(2024, 5, 3, 2)) is not None
+    # A rolling deploy: old and new code take turns, and each version's later ticks run; an
+    # older tick from either never moves the schedule back nor runs.
+    assert tick(old, at(2024, 5, 3, 3)) is not None
     assert tick(new, at(2024, 5, 3, 2)) is None
     assert tick(new, at(2024, 5, 4, 2)) is not None
+    assert scalar("SELECT last_tick FROM pgjobs_schedule WHERE name = 'report'") == at(
+        2024, 5, 4, 2
+    )
 
 
 @uses_db

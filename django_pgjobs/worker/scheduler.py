@@ -60,20 +60,34 @@ class Scheduler:
 
     def step(self) -> None:
         """Enqueue each due schedule's latest tick. Raises only when the database is away."""
-        now = self.store.database_now()
         started = time.monotonic()
+        try:
+            now = self.store.database_now()
+        except Exception as exc:
+            if _outage(exc):
+                raise
+            for state in self._states:
+                if state.due <= started:
+                    state.due = started + self._failed(state, exc)
+            return
         for state in self._states:
             if state.due > started:
                 continue
-            latest, following = schedules.ticks(state.schedule, now)
+            try:
+                latest, following = schedules.ticks(state.schedule, now)
+                job_id = (
+                    None
+                    if state.handled == latest
+                    else self.store.enqueue_tick(state.schedule, latest)
+                )
+            except Exception as exc:
+                # Whatever fails (the statement, or our own computation of the tick) is
+                # logged, recorded and retried with backoff; the worker runs on.
+                if _outage(exc):
+                    raise
+                state.due = started + self._failed(state, exc)
+                continue
             if state.handled != latest:
-                try:
-                    job_id = self.store.enqueue_tick(state.schedule, latest)
-                except Exception as exc:
-                    if isinstance(exc, (DatabaseError, psycopg.Error)) and unavailable(exc):
-                        raise
-                    state.due = started + self._failed(state, exc)
-                    continue
                 state.handled, state.failures = latest, 0
                 if job_id is not None:
                     logger.info(
@@ -116,3 +130,8 @@ class Scheduler:
                 extra={"action": "tick", "worker_id": self.worker_id},
             )
         return delay
+
+
+def _outage(exc: BaseException) -> bool:
+    """An unavailable database: the producer's business (it reconnects, then steps again)."""
+    return isinstance(exc, (DatabaseError, psycopg.Error)) and unavailable(exc)
