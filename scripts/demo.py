@@ -1,5 +1,5 @@
-"""The django-pgjobs demo: the seed's double-claim bug, its fix, a real site draining jobs, and
-a periodic job ticking under two workers.
+"""The django-pgjobs demo: the naive claim's double-claim bug, its fix, a real site draining
+jobs, and a periodic job ticking under two workers.
 
 Run it with ``make demo`` (which starts a throwaway PostgreSQL unless ``DATABASE_URL`` is set),
 or directly::
@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 DEMO_DB = "pgjobs_demo"
 JOBS = 10_000
 THREADS = 8
-PER_THREAD = JOBS // THREADS  # 1,250 claims each, as in the seed's pgbench -c 8 -t 1250
+PER_THREAD = JOBS // THREADS  # 1,250 claims each, as in the article's pgbench -c 8 -t 1250
 WORKER_TIMEOUT = 600.0  # seconds; a burst worker that runs longer than this is stuck
 WORKER_LINES_HEAD = 25  # worker output lines shown as they come; the rest are counted
 WORKER_LINES_TAIL = 10  # and the last few shown at the end
@@ -67,7 +67,7 @@ from django.core.management import execute_from_command_line
 execute_from_command_line(["manage.py", *sys.argv[1:]])
 """
 
-# The seed's naive claim, on our table: the subquery picks an id without locking it.
+# The source article's naive claim, on our table: the subquery picks an id without locking it.
 NAIVE_CLAIM = """
 UPDATE pgjobs_job SET status = 'done', attempts = attempts + 1
 WHERE id = (SELECT id FROM pgjobs_job WHERE status = 'queued' ORDER BY run_at LIMIT 1)
@@ -216,7 +216,11 @@ def enqueue_noops() -> None:
     from django_pgjobs.models import Job
 
     started = time.perf_counter()
-    ids = Job.objects.enqueue_many("testproject.testjobs.noop", [{"n": i} for i in range(JOBS)])
+    # The naive claim adds an attempt per claim however often it takes one job: leave room
+    # for every claim of the run (the table refuses attempts beyond max_attempts).
+    ids = Job.objects.enqueue_many(
+        "testproject.testjobs.noop", [{"n": i} for i in range(JOBS)], max_attempts=JOBS
+    )
     if len(ids) != JOBS:
         raise DemoFailure(f"enqueue_many returned {len(ids)} ids, expected {JOBS}.")
     print(
@@ -557,7 +561,7 @@ def main() -> int:
     demo_url = create_demo_database(server_url)
     setup_django(demo_url)
 
-    section("1. The seed's experiment: 8 workers x 1,250 claims against 10,000 queued jobs")
+    section("1. The naive claim's race: 8 workers x 1,250 claims against 10,000 queued jobs")
     print("The naive claim (one statement, so it looks atomic):")
     print(textwrap.indent(NAIVE_CLAIM.strip(), "    "))
     print()
