@@ -3,6 +3,7 @@ notification is lost, and otherwise silent (serverless Postgres may suspend mean
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -75,8 +76,20 @@ def test_listener_reconnects_catches_up_and_is_woken_again(workers: Workers) -> 
     assert worker.wait() == 0
 
 
-def test_an_idle_worker_sends_no_query(workers: Workers) -> None:
-    worker = workers.start("--poll-interval", "600", "--reap-interval", "600")
+@pytest.mark.parametrize("schedule", [False, True], ids=["no-schedule", "hourly-schedule"])
+def test_an_idle_worker_sends_no_query(workers: Workers, schedule: bool) -> None:
+    # With a periodic schedule declared whose next tick is not in the window, too.
+    hourly = {"hourly": {"task": "tick", "every": 3600}}
+    worker = workers.start(
+        "--poll-interval",
+        "600",
+        "--reap-interval",
+        "600",
+        test_jobs=schedule,
+        env={"PGJOBS_TEST_SCHEDULES": json.dumps(hourly)} if schedule else None,
+    )
+    if schedule:
+        worker.wait_for_log("schedules: hourly")
 
     # Start-up: the reap, the first claim, LISTEN, its catch-up claim and the LISTEN probe.
     worker.wait_until_idle()
