@@ -8,9 +8,9 @@ import signal
 import pytest
 
 from django_pgjobs.models import Job
-from testproject.testjobs import sleep
+from testproject.shop.models import Order
 from tests.helpers import wait_until
-from tests.workers import Workers, counts, query, running
+from tests.workers import Workers, counts, query, write_order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -19,11 +19,25 @@ def ids_with(status: str) -> set[int]:
     return {row[0] for row in query("SELECT id FROM pgjobs_job WHERE status = %s", [status])}
 
 
+def orders(count: int, pause: float) -> None:
+    """``count`` jobs that each write an order as they start, then take ``pause`` seconds."""
+    Job.objects.enqueue_many(
+        write_order, [{"email": f"{n}@example.com", "pause": pause} for n in range(count)]
+    )
+
+
+def wait_until_two_run() -> set[int]:
+    """Wait until two jobs are running, really: their orders are written. A job the table
+    shows running may not have reached an executor yet, and a claim that returns after the
+    stop gives its jobs back (on a busy machine the signal did land in between)."""
+    wait_until(lambda: Order.objects.count() == 2, message="two jobs to be running")
+    return ids_with("running")
+
+
 def test_sigterm_stops_claiming_and_lets_running_jobs_finish(workers: Workers) -> None:
-    Job.objects.enqueue_many(sleep, [{"seconds": 3}] * 22)
-    worker = workers.start("--concurrency", "2", "--poll-interval", "600")
-    wait_until(lambda: running() == 2, message="two jobs to be running")
-    started = ids_with("running")
+    orders(22, pause=3)
+    worker = workers.start("--concurrency", "2", "--poll-interval", "600", test_jobs=True)
+    started = wait_until_two_run()
     # It claims only what it has free slots for: two, not a batch.
     assert counts() == {"running": 2, "queued": 20}
 
@@ -63,7 +77,7 @@ def test_a_second_signal_exits_at_once_leaving_running_jobs_for_the_reaper(
 ) -> None:
     # Ten-minute jobs and shutdown timeout: a worker that waited for either would outlast
     # the test's patience.
-    Job.objects.enqueue_many(sleep, [{"seconds": 600}] * 3)
+    orders(3, pause=600)
     worker = workers.start(
         "--concurrency",
         "2",
@@ -73,9 +87,9 @@ def test_a_second_signal_exits_at_once_leaving_running_jobs_for_the_reaper(
         "600",
         "--shutdown-timeout",
         "600",
+        test_jobs=True,
     )
-    wait_until(lambda: running() == 2, message="two jobs to be running")
-    started = ids_with("running")
+    started = wait_until_two_run()
 
     worker.send(signal.SIGTERM)
     worker.wait_for_log("SIGTERM: stopping")
