@@ -1,4 +1,4 @@
-"""From raw runs to the printed tables: medians and min-max per row, then the issue's targets.
+"""From raw runs to the printed tables: medians and min-max per row, then our targets.
 
 Every ratio is taken between medians measured in the same invocation.
 """
@@ -249,14 +249,14 @@ def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> lis
     )
     add(
         "naive.done",
-        "seed's naive claim under pgbench: jobs done",
+        "the article's naive claim under pgbench: jobs done",
         "jobs",
         "naive",
         lambda r: r["done"],
     )
     add(
         "naive.max_attempts",
-        "seed's naive claim: most claims of one job",
+        "the article's naive claim: most claims of one job",
         "count",
         "naive",
         lambda r: r["max_attempts"],
@@ -413,10 +413,10 @@ def build_targets(
 def versus_pgqueuer(
     what: str, ours: float | None, theirs: float | None, issue_figure: float
 ) -> Target:
-    """3x pgqueuer: side by side when BENCH_PEERS=1 measured it, else the issue's figure."""
+    """3x pgqueuer: side by side when BENCH_PEERS=1 measured it, else a fixed floor."""
     if theirs is None:
         return Target(
-            f"{what} floor: 3x pgqueuer (issue's figure, not side by side)",
+            f"{what} floor: 3x pgqueuer (fixed floor, not side by side)",
             "-" if ours is None else f"{ours:,.0f} jobs/s",
             f">= {issue_figure:,.0f} jobs/s",
             None if ours is None else ours >= issue_figure,

@@ -1,4 +1,4 @@
-"""Run the benchmark suite of issue 7 and print its tables; ``make bench`` calls this.
+"""Run the benchmark suite and print its tables; ``make bench`` calls this.
 
     python -m benchmarks.run              # the defaults: 5 interleaved runs, about 10 minutes
     python -m benchmarks.run --quick      # small sizes, 2 runs: a smoke run
@@ -338,7 +338,7 @@ def run_suite(
         f"(RSS: one long run) ==\n"
     )
     print(report.rows_table(rows))
-    print("\n== targets of issue 7 (ratios of medians from this invocation) ==\n")
+    print("\n== our targets (ratios of medians from this invocation) ==\n")
     print(report.targets_table(targets))
     if out["ratios"]:
         print("\nother ratios: " + "; ".join(f"{k} {v}" for k, v in out["ratios"].items()))

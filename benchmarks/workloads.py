@@ -1,4 +1,4 @@
-"""The workloads of issue 7, one method each; every method is one run and returns raw figures.
+"""The benchmark's workloads, one method each; every method is one run and returns raw figures.
 
 Imported after ``django.setup()`` (``benchmarks.run`` does that). Each run starts from a known
 table: emptied (or, in the history database, cut back to the done rows), refilled outside the
@@ -32,7 +32,7 @@ from django_pgjobs.models import Job
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_TIMEOUT = 900.0  # seconds; a worker running longer than this is stuck: abort
 
-# The seed's naive claim, as scripts/demo.py runs it: the subquery picks an id without a
+# The source article's naive claim, as scripts/demo.py runs it: the subquery picks an id without a
 # lock, so concurrent sessions take the same row (and the statement marks it done at once).
 NAIVE_CLAIM = """
 UPDATE pgjobs_job SET status = 'done', attempts = attempts + 1
@@ -450,7 +450,7 @@ class Bench:
         return {"jobs": n, "done": done, "jobs_per_s": done / out["seconds"], **out}
 
     def naive(self) -> dict[str, Any]:
-        """The seed's naive claim under pgbench: how many of N jobs end up done."""
+        """The source article's naive claim under pgbench: how many of N jobs end up done."""
         sizes = self.sizes
         if self.pgbench is None:
             raise BenchAbort("pgbench not found")
