@@ -560,7 +560,8 @@ def test_the_worker_sends_task_started_and_task_finished(
         [int(gives_up.id)],
     )
 
-    worker = Worker(["default"], burst=True, concurrency=2, reap_interval=0)
+    # max_jobs: the retry comes due 2 s later, and a slow run must not claim it too.
+    worker = Worker(["default"], burst=True, concurrency=2, reap_interval=0, max_jobs=3)
     stats = worker.run()
 
     assert (stats.done, stats.retried, stats.failed) == (1, 1, 1)
@@ -611,7 +612,7 @@ def test_an_in_process_worker_runs_async_context_and_bad_result_tasks() -> None:
     context = which_attempt.enqueue()
     bad = returns_a_set.enqueue()
 
-    stats = Worker(["default"], burst=True, concurrency=1, reap_interval=0).run()
+    stats = Worker(["default"], burst=True, concurrency=1, reap_interval=0, max_jobs=3).run()
 
     assert (stats.done, stats.retried) == (2, 1)
     assert double.get_result(doubled.id).return_value == 42
