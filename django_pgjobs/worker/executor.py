@@ -13,6 +13,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 from django.db import connections
@@ -22,13 +24,27 @@ from django_pgjobs.context import JobContext, reset_current_job, set_current_job
 from django_pgjobs.exceptions import InvalidPayload
 from django_pgjobs.lifecycle import ClaimedJob, Failure
 from django_pgjobs.worker.db import queue_connection, queue_database_away
-from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, Outcome
+from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, Outcome, WorkerStats
+from django_pgjobs.worker.store import Store
 
 logger = logging.getLogger("django_pgjobs.worker")
 
 # A job released this many times because the queue's database was away is failed instead,
 # with the attempt counted: however an error is misjudged as an outage, no job loops.
 MAX_OUTAGE_RELEASES = 10
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What both modes need from their worker: where statements run, the lease, the worker's
+    id and counters, its stop flag, and how to hand items to the executors."""
+
+    store: Store
+    lease: timedelta
+    worker_id: str
+    stats: WorkerStats
+    stopping: threading.Event
+    hand_out: Callable[..., None]
 
 
 class Mode(Protocol):

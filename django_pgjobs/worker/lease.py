@@ -8,39 +8,21 @@ completer keeps its lease alive, then passes the outcome to the completer.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
-from datetime import timedelta
 
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import reset_all, tidy
-from django_pgjobs.worker.executor import call, context
-from django_pgjobs.worker.outcomes import RELEASE, Outcome, WorkerStats
-from django_pgjobs.worker.store import Store
+from django_pgjobs.worker.executor import Shared, call, context
+from django_pgjobs.worker.outcomes import RELEASE, Outcome
 
 logger = logging.getLogger("django_pgjobs.worker")
 
 
 class LeaseMode:
-    def __init__(
-        self,
-        store: Store,
-        completer: Completer,
-        *,
-        lease: timedelta,
-        worker_id: str,
-        stats: WorkerStats,
-        stopping: threading.Event,
-        hand_out: Callable[..., None],
-    ) -> None:
-        self.store = store
+    def __init__(self, shared: Shared, completer: Completer) -> None:
+        self.store, self.lease, self.worker_id = shared.store, shared.lease, shared.worker_id
+        self.stats, self.stopping, self.hand_out = shared.stats, shared.stopping, shared.hand_out
         self.completer = completer
-        self.lease = lease
-        self.worker_id = worker_id
-        self.stats = stats
-        self.stopping = stopping
-        self.hand_out = hand_out
 
     def dispatch(self, queue_name: str, wanted: int) -> int:
         """Claim up to ``wanted`` jobs of ``queue_name`` and hand them out; return how many.

@@ -11,16 +11,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from django.db import DatabaseError, transaction
 
 from django_pgjobs import conf
 from django_pgjobs.lifecycle import FailedAttempt
 from django_pgjobs.worker.db import reset, tidy, unavailable
-from django_pgjobs.worker.executor import call, context
-from django_pgjobs.worker.outcomes import RELEASE, Outcome, WorkerStats, finished
-from django_pgjobs.worker.store import Store
+from django_pgjobs.worker.executor import Shared, call, context
+from django_pgjobs.worker.outcomes import RELEASE, Outcome, finished
 
 
 @dataclass
@@ -34,23 +32,9 @@ class Ticket:
 
 
 class TransactionMode:
-    def __init__(
-        self,
-        store: Store,
-        *,
-        lease: timedelta,
-        worker_id: str,
-        stats: WorkerStats,
-        stopping: threading.Event,
-        hand_out: Callable[..., None],
-        on_retry: Callable[[], None] | None = None,
-    ) -> None:
-        self.store = store
-        self.lease = lease
-        self.worker_id = worker_id
-        self.stats = stats
-        self.stopping = stopping
-        self.hand_out = hand_out
+    def __init__(self, shared: Shared, on_retry: Callable[[], None] | None = None) -> None:
+        self.store, self.lease, self.worker_id = shared.store, shared.lease, shared.worker_id
+        self.stats, self.stopping, self.hand_out = shared.stats, shared.stopping, shared.hand_out
         # Called when a failed job is queued again: its retry sends no NOTIFY.
         self.on_retry = on_retry
 

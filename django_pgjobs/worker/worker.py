@@ -31,7 +31,7 @@ from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import Backoff, unavailable
-from django_pgjobs.worker.executor import Executor
+from django_pgjobs.worker.executor import Executor, Shared
 from django_pgjobs.worker.lease import LeaseMode
 from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.scheduler import Scheduler
@@ -362,25 +362,12 @@ class Worker:
             self._handoff.put(item)
 
     def _make_mode(self, completer: Completer) -> LeaseMode | TransactionMode:
-        if self.mode == "lease":
-            return LeaseMode(
-                self.store,
-                completer,
-                lease=self.lease,
-                worker_id=self.worker_id,
-                stats=self.stats,
-                stopping=self.stopping,
-                hand_out=self._hand_out,
-            )
-        return TransactionMode(
-            self.store,
-            lease=self.lease,
-            worker_id=self.worker_id,
-            stats=self.stats,
-            stopping=self.stopping,
-            hand_out=self._hand_out,
-            on_retry=self._on_retry,
+        shared = Shared(
+            self.store, self.lease, self.worker_id, self.stats, self.stopping, self._hand_out
         )
+        if self.mode == "lease":
+            return LeaseMode(shared, completer)
+        return TransactionMode(shared, on_retry=self._on_retry)
 
     def _dispatch(self, wanted: int) -> int:
         """Claim up to ``wanted`` jobs across our queues (round robin); hand them out.
