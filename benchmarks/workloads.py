@@ -26,7 +26,7 @@ from benchmarks.db import TASK, Admin, BenchAbort, pgbench_params
 from benchmarks.jobs import stamp
 from benchmarks.proc import ServerCpu, rss_bytes
 from benchmarks.sizes import Sizes
-from django_pgjobs import conf, sql
+from django_pgjobs import conf, registry, sql
 from django_pgjobs.models import Job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -432,6 +432,12 @@ class Bench:
             "lease=300 seconds",
             "-D",
             "worker_id=pgbench",
+            # A busy worker's claim: no suspects, and its registry's names (pgbench has no
+            # NULL to pass for "any task").
+            "-D",
+            "suspects=false",
+            "-D",
+            f"tasks={sql.TextArray.of(registry.names())}",
             # The worker's own commit setting, so the ceiling is of the same transactions.
             "-D",
             "synchronous_commit="
@@ -459,6 +465,9 @@ class Bench:
         n = sizes.naive_jobs
         self._reset(False)
         self.admin.fill(n)
+        # The naive claim takes one row many times over, and the table refuses attempts beyond
+        # max_attempts: room for every claim of the run, as scripts/demo.py gives its jobs.
+        self.admin.run("UPDATE pgjobs_job SET max_attempts = %s", (n,))
         self.admin.run("ANALYZE pgjobs_job")
         self.admin.checkpoint()
         out = self._pgbench("-t", str(n // sizes.clients), "-f", str(script))
@@ -530,7 +539,15 @@ def ceiling_script() -> str:
     """
     claim_params = set(pgbench_params(sql.CLAIM))
     complete_params = set(pgbench_params(sql.COMPLETE))
-    known_claim = {"queue", "limit", "lease", "worker_id", "synchronous_commit"}
+    known_claim = {
+        "queue",
+        "limit",
+        "lease",
+        "worker_id",
+        "synchronous_commit",
+        "suspects",
+        "tasks",
+    }
     known_complete = {"claims", "synchronous_commit"}
     if not claim_params <= known_claim or not complete_params <= known_complete:
         raise BenchAbort(

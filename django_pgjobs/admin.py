@@ -1,6 +1,10 @@
 """Jobs in the Django admin: a read-mostly list, failed jobs to retry or delete, a dashboard.
 
-Every action goes through the manager's verbs (``retry``), never around them, and every
+The dashboard also steers queues (pause, resume, global limits) for users with the change
+permission on queues (``django_pgjobs.change_queuestate``), through the manager's
+``pause``, ``resume`` and ``set_limits``.
+
+Every action goes through the manager's verbs (``retry``, ``cancel``), never around them, and every
 query the pages make stays cheap on a table with millions of done rows: filters list their
 choices without scanning the table, the unfiltered count is PostgreSQL's estimate, and the
 dashboard reads partial indexes only.
@@ -20,16 +24,22 @@ from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.db.models import Q, QuerySet
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+)
 from django.template.response import TemplateResponse
-from django.urls import URLPattern, path
+from django.urls import URLPattern, path, reverse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from django_pgjobs import doctor, registry, sql, validation
-from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.exceptions import InvalidJobOptions, WorkerCrashed
 from django_pgjobs.lifecycle import last_line
 from django_pgjobs.models import FailedJob, Job, QueueDashboard, ScheduleState, Status
 
@@ -47,12 +57,20 @@ STATUS_COLOURS = {
     Status.RUNNING: "#b45309",
     Status.DONE: "#15803d",
     Status.FAILED: "#b91c1c",
+    Status.CANCELLED: "#6b7280",
 }
+# How the reap's last_error begins for a job failed because its workers kept dying.
+WORKER_CRASHED = f"{WorkerCrashed.__module__}.{WorkerCrashed.__qualname__}"
 # Fields a person may change, and only while the job is still queued.
 EDITABLE_WHILE_QUEUED = ("queue", "priority", "run_at", "max_attempts")
 # Their names in a POST (run_at is a date and a time input).
 EDITABLE_INPUTS = ("queue", "priority", "run_at_0", "run_at_1", "max_attempts")
 ERROR_PREVIEW = 80
+# The statuses a cancel changes; the confirmation page lists at most this many of them.
+CANCELLABLE = (Status.QUEUED, Status.RUNNING)
+CONFIRM_LIMIT = 100
+# Who may pause, resume and limit queues from the dashboard.
+QUEUE_CONTROL_PERMISSION = "django_pgjobs.change_queuestate"
 
 
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
@@ -97,6 +115,27 @@ class QueueFilter(admin.SimpleListFilter):
         return queryset.filter(queue=self.value()) if self.value() else queryset
 
 
+class CrashFilter(admin.SimpleListFilter):
+    """Failed jobs quarantined because their workers kept dying, or failed otherwise."""
+
+    title = "how it failed"
+    parameter_name = "ended"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("crashed", "its worker died (quarantined)"), ("other", "otherwise")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        # As jobsdoctor tells them (sql.QUARANTINED): the latest error is WorkerCrashed.
+        crashed = Q(**{"errors__-1__exception_class_path": WORKER_CRASHED})
+        if self.value() == "crashed":
+            return queryset.filter(crashed)
+        if self.value() == "other":
+            # Not exclude(crashed): a job with no error at all has no class to compare, and
+            # SQL's NULL would leave it out of both lists.
+            return queryset.exclude(pk__in=queryset.filter(crashed).values("pk"))
+        return queryset
+
+
 class JobForm(forms.ModelForm):  # type: ignore[type-arg]
     """The editable fields hold what enqueue() would accept (priority: the CHECK constraint)."""
 
@@ -112,6 +151,26 @@ class JobForm(forms.ModelForm):  # type: ignore[type-arg]
                 f"more than that to leave it one."
             )
         return value
+
+
+class QueueLimitsForm(forms.Form):
+    """The dashboard's limits of one queue; an empty field is no limit. Only the form's own
+    rule (a rate needs both halves) is checked here: the values themselves are checked by
+    ``set_limits``, as from Python."""
+
+    concurrency = forms.IntegerField(required=False)
+    rate_count = forms.IntegerField(required=False)
+    rate_period = forms.FloatField(required=False, label="rate period (seconds)")
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        count, period = cleaned.get("rate_count"), cleaned.get("rate_period")
+        if (count is None) != (period is None) and not self.errors:
+            raise ValidationError(
+                "A rate limit needs both a count and a period in seconds (or neither, for no "
+                "rate limit)."
+            )
+        return cleaned
 
 
 T = TypeVar("T")
@@ -137,6 +196,7 @@ class JobAdmin(_JobModelAdmin):
         "short_error",
     )
     list_filter: ClassVar[Any] = ("status", QueueFilter, TaskFilter)
+    actions: Any = ("cancel_selected",)
     search_fields = ("task", "last_error")
     search_help_text = "A job id, or words from its task or error."
     form = JobForm
@@ -154,6 +214,8 @@ class JobAdmin(_JobModelAdmin):
         "attempts",
         "max_attempts",
         "outage_releases",
+        # Attempts in a row that ended with the worker dead (reaped); MAX_CRASHES fail the job.
+        "crashes",
         "locked_until",
         "created_at",
         "started_at",
@@ -163,6 +225,9 @@ class JobAdmin(_JobModelAdmin):
         # A periodic job's schedule and the tick it serves (empty for any other job).
         "schedule",
         "scheduled_at",
+        # The de-duplication key while the job holds it, and how long it holds it.
+        "unique_key",
+        "unique_while",
         "payload_pretty",
         "result_pretty",
         "error_full",
@@ -171,6 +236,75 @@ class JobAdmin(_JobModelAdmin):
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
+
+    def get_urls(self) -> list[URLPattern]:
+        cancel = path(
+            "<path:object_id>/cancel/",
+            self.admin_site.admin_view(self.cancel_view),
+            name=f"{self.opts.app_label}_{self.opts.model_name}_cancel",
+        )
+        return [cancel, *super().get_urls()]
+
+    # -- cancel: the list's action and the job page's button, both confirmed first ----------
+
+    @admin.action(description="Cancel selected jobs", permissions=["change"])
+    def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
+        if request.POST.get("post") == "yes":
+            across = request.POST.get("select_across") == "1"
+            chosen = 0 if across else len(request.POST.getlist(ACTION_CHECKBOX_NAME))
+            self._cancel(request, queryset, chosen)
+            return None
+        return self._confirm_cancel(request, queryset, action="cancel_selected")
+
+    def cancel_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The Cancel button of a job's page: a confirmation (GET), then the cancel (POST)."""
+        obj = self.get_object(request, unquote(object_id))
+        if obj is None:
+            raise Http404(f"No job with id {object_id!r}.")
+        if not self.has_change_permission(request, obj):
+            raise PermissionDenied
+        if request.method == "POST" and request.POST.get("post") == "yes":
+            self._cancel(request, Job.objects.filter(pk=obj.pk), 1)
+            return HttpResponseRedirect(
+                reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[obj.pk])
+            )
+        return self._confirm_cancel(request, Job.objects.filter(pk=obj.pk), action=None)
+
+    def _confirm_cancel(
+        self, request: HttpRequest, queryset: QuerySet[Job], action: str | None
+    ) -> HttpResponse:
+        # Only the jobs that can still be cancelled: the partial indexes of queued and running
+        # rows find them, whatever the selection.
+        cancellable = queryset.filter(status__in=CANCELLABLE).order_by("id")
+        shown = list(cancellable[:CONFIRM_LIMIT])
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Cancel jobs? Are you sure?",
+            "opts": self.opts,
+            "jobs": shown,
+            "more": cancellable.count() - len(shown) if len(shown) == CONFIRM_LIMIT else 0,
+            "action": action,
+            "selected": request.POST.getlist(ACTION_CHECKBOX_NAME),
+            "select_across": request.POST.get("select_across", "0"),
+            "action_checkbox_name": ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/django_pgjobs/cancel_confirmation.html", context)
+
+    def _cancel(self, request: HttpRequest, queryset: QuerySet[Job], chosen: int) -> None:
+        """Cancel the selection's unfinished jobs; ``chosen`` is how many were selected."""
+        # Only the ids of jobs still queued or running (their partial indexes find them), so
+        # "select all" over a long history sends no list of finished ids.
+        count = Job.objects.cancel(
+            queryset.filter(status__in=CANCELLABLE).values_list("pk", flat=True)
+        )
+        if count:
+            self.message_user(request, f"Cancelled {count} job(s).", messages.SUCCESS)
+        if count < chosen:
+            self.message_user(
+                request,
+                f"{chosen - count} job(s) had already finished and were left alone.",
+                messages.WARNING,
+            )
 
     def get_readonly_fields(self, request: HttpRequest, obj: Job | None = None) -> list[str]:
         editable = EDITABLE_WHILE_QUEUED if obj is not None and obj.status == "queued" else ()
@@ -288,10 +422,11 @@ class FailedJobAdmin(JobAdmin):
         "task",
         "queue",
         "attempts_of",
+        "crashes",
         "finished_at",
         "short_error",
     )
-    list_filter = (QueueFilter, TaskFilter)
+    list_filter = (QueueFilter, TaskFilter, CrashFilter)
     ordering = ("-finished_at", "-id")
     actions = ("retry_selected", "delete_selected")
 
@@ -318,13 +453,12 @@ class FailedJobAdmin(JobAdmin):
             )
 
 
-@admin.register(QueueDashboard)
-class QueueDashboardAdmin(_DashboardModelAdmin):
-    """Per-queue depth, lag and throughput, and the last failures: one page, no list."""
+class OnePageAdmin(_DashboardModelAdmin):
+    """A model admin that is one read-only page (its changelist URL), with no list."""
 
     def get_urls(self) -> list[URLPattern]:
-        # Only the dashboard itself: the model's other pages (change, history) would show
-        # single jobs to users who may only see the dashboard.
+        # Only the page itself: the model's other pages (change, history) would show single
+        # jobs to users who may only see the page.
         return [
             path(
                 "",
@@ -332,14 +466,6 @@ class QueueDashboardAdmin(_DashboardModelAdmin):
                 name=f"{self.opts.app_label}_{self.opts.model_name}_changelist",
             )
         ]
-
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        if obj is not None:
-            return False
-        return bool(request.user.is_active and request.user.is_staff) and (
-            request.user.has_perm("django_pgjobs.view_job")
-            or request.user.has_perm("django_pgjobs.view_queuedashboard")
-        )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -350,12 +476,40 @@ class QueueDashboardAdmin(_DashboardModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+
+@admin.register(QueueDashboard)
+class QueueDashboardAdmin(OnePageAdmin):
+    """Per-queue depth, lag and throughput, the last failures, queue control (pause, resume,
+    global limits) and the live workers: one page, no list."""
+
+    def get_urls(self) -> list[URLPattern]:
+        # The target of the queue-control forms: a POST, never a page of its own.
+        control = path(
+            "control/",
+            self.admin_site.admin_view(self.control_view),
+            name=f"{self.opts.app_label}_{self.opts.model_name}_control",
+        )
+        return [*super().get_urls(), control]
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is not None:
+            return False
+        return bool(request.user.is_active and request.user.is_staff) and (
+            request.user.has_perm("django_pgjobs.view_job")
+            or request.user.has_perm("django_pgjobs.view_queuedashboard")
+        )
+
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
         overview = doctor.overview()
+        states = doctor.queue_control()
+        names = sorted({q.queue for q in overview.queues} | set(states))
+        workers = doctor.live_workers()
+        for worker in workers:
+            worker["queue_list"] = doctor.worker_queues(worker)
         context = {
             **self.admin_site.each_context(request),
             "title": "Queue dashboard",
@@ -363,12 +517,67 @@ class QueueDashboardAdmin(_DashboardModelAdmin):
             "overview": overview,
             "chart": _chart(overview),
             "can_see_failures": request.user.has_perm("django_pgjobs.view_job"),
+            "can_control": request.user.has_perm(QUEUE_CONTROL_PERMISSION),
+            "control": [
+                _control_row(states.get(name) or doctor.QueueControl(name)) for name in names
+            ],
+            "workers": workers,
+            "unrunnable": doctor.unrunnable(),
         }
         return TemplateResponse(request, "admin/django_pgjobs/dashboard.html", context)
 
+    def control_view(self, request: HttpRequest) -> HttpResponse:
+        """The dashboard's Pause, Resume and limits buttons: a POST, then back to it."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if not (
+            self.has_view_permission(request) and request.user.has_perm(QUEUE_CONTROL_PERMISSION)
+        ):
+            raise PermissionDenied
+        queue, action = request.POST.get("queue", ""), request.POST.get("action", "")
+        try:
+            if action == "pause":
+                Job.objects.pause(queue)
+                done = f"Paused queue {queue}: its jobs stay queued until it is resumed."
+            elif action == "resume":
+                Job.objects.resume(queue)
+                done = f"Resumed queue {queue}."
+            elif action == "limits":
+                done = self._set_limits(request, queue)
+            else:
+                raise InvalidJobOptions(
+                    f"Unknown queue action {action!r}: use pause, resume or limits."
+                )
+        except InvalidJobOptions as exc:
+            self.message_user(request, f"Nothing was changed: {exc}", messages.ERROR)
+        else:
+            self.message_user(request, done, messages.SUCCESS)
+        return HttpResponseRedirect(
+            reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
+        )
+
+    def _set_limits(self, request: HttpRequest, queue: str) -> str:
+        form = QueueLimitsForm(request.POST)
+        if not form.is_valid():
+            problems = [
+                f"{form.fields[name].label or name.replace('_', ' ')}: {error}"
+                if name in form.fields
+                else str(error)
+                for name, errors in form.errors.items()
+                for error in errors
+            ]
+            raise InvalidJobOptions(f"Invalid limits for queue {queue}: {' '.join(problems)}")
+        concurrency = form.cleaned_data["concurrency"]
+        count, period = form.cleaned_data["rate_count"], form.cleaned_data["rate_period"]
+        rate = None if count is None else (count, period)
+        Job.objects.set_limits(queue, concurrency=concurrency, rate=rate)
+        running = "no limit" if concurrency is None else f"at most {concurrency}"
+        started = "no limit" if rate is None else f"at most {count} per {period:g} s"
+        return f"Limits of queue {queue}: running {running}; started {started}."
+
 
 @admin.register(ScheduleState)
-class SchedulesAdmin(QueueDashboardAdmin):
+class SchedulesAdmin(OnePageAdmin):
     """The periodic schedules declared in code, with their last and next tick: one page,
     read-only (a schedule changes in code, and takes effect when the workers restart)."""
 
@@ -393,6 +602,18 @@ class SchedulesAdmin(QueueDashboardAdmin):
             "can_see_jobs": request.user.has_perm("django_pgjobs.view_job"),
         }
         return TemplateResponse(request, "admin/django_pgjobs/schedules.html", context)
+
+
+def _control_row(state: doctor.QueueControl) -> dict[str, Any]:
+    """One queue's line of the control table; the period in seconds, as the form takes it."""
+    period = state.rate_period.total_seconds() if state.rate_period is not None else None
+    return {
+        "queue": state.queue,
+        "paused": state.paused,
+        "concurrency": state.concurrency,
+        "rate_count": state.rate_count,
+        "rate_period": None if period is None else f"{period:g}",
+    }
 
 
 def _pre(text: str) -> SafeString:

@@ -7,7 +7,10 @@ whose ``task`` is the function's module path and whose payload holds its ``args`
 ``kwargs``; ``runjobs`` runs it with the same lease, fences, retries and reaper as a job.
 
 ``OPTIONS``: ``DATABASE`` (alias, default ``PGJOBS["DATABASE"]``), ``MAX_ATTEMPTS``,
-``BACKOFF_BASE`` and ``BACKOFF_MAX`` (defaults: the ``PGJOBS`` settings of the same names).
+``BACKOFF_BASE`` and ``BACKOFF_MAX`` (defaults: the ``PGJOBS`` settings of the same names),
+and what ``@job`` says that ``django.tasks`` has no words for: ``RETRY_ON`` and
+``DISCARD_ON`` (lists of dotted paths of exception classes), ``BACKOFF_JITTER`` (bool) and
+``TIMEOUT`` (seconds one attempt may run).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from django.conf import settings
 from django.core import checks as django_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
+from django.utils.module_loading import import_string
 
 from django_pgjobs import checks, conf, registry, validation
-from django_pgjobs.context import current_job
-from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
+from django_pgjobs.context import JobContext, current_job
+from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, Snooze, UnknownTask
 from django_pgjobs.managers import Failure
 from django_pgjobs.registry import JobFunction
 
@@ -70,8 +74,24 @@ STATUSES = {
     "running": TaskResultStatus.RUNNING,
     "done": TaskResultStatus.SUCCESSFUL,
     "failed": TaskResultStatus.FAILED,
+    # django.tasks has no cancelled status (neither Django 6.0 nor the backport): a cancelled
+    # task finished without succeeding and has no return value, so it reads as FAILED (its
+    # errors are those of the attempts it made, if any). A version that adds CANCELLED gets it.
+    "cancelled": getattr(TaskResultStatus, "CANCELLED", TaskResultStatus.FAILED),
 }
-OPTIONS = ("DATABASE", "MAX_ATTEMPTS", "BACKOFF_BASE", "BACKOFF_MAX")
+OPTIONS = (
+    "DATABASE",
+    "MAX_ATTEMPTS",
+    "BACKOFF_BASE",
+    "BACKOFF_MAX",
+    "RETRY_ON",
+    "DISCARD_ON",
+    "BACKOFF_JITTER",
+    "TIMEOUT",
+)
+# The check id of each problem with an exception list: a path that does not import, and a
+# value that is not a list of paths of exception classes.
+UNIMPORTABLE, NOT_EXCEPTIONS = "pgjobs.E026", "pgjobs.E027"
 NOT_INSTALLED = (
     "add 'django_pgjobs' to INSTALLED_APPS: the backend keeps tasks in its jobs table, "
     "which that app's migrations create, and runjobs (the worker) is its command."
@@ -96,11 +116,52 @@ def _job_model() -> type[Job]:
     return Job
 
 
+class BadExceptionList(InvalidJobOptions):
+    """``RETRY_ON`` / ``DISCARD_ON`` is not a list of importable exception classes."""
+
+    def __init__(self, message: str, check_id: str) -> None:
+        super().__init__(message)
+        self.check_id = check_id
+
+
+def exception_classes(paths: object, name: str) -> tuple[type[BaseException], ...]:
+    """The exception classes a list of dotted paths names (``RETRY_ON``, ``DISCARD_ON``)."""
+    if isinstance(paths, str) or not isinstance(paths, (list, tuple)):
+        raise BadExceptionList(
+            f"{name} is {validation.show(paths)}: use a list of dotted paths of exception "
+            "classes, e.g. ['requests.ConnectionError'].",
+            NOT_EXCEPTIONS,
+        )
+    classes = []
+    for path in paths:
+        if not isinstance(path, str):
+            raise BadExceptionList(
+                f"{name} holds {validation.show(path)}: use the dotted path (a str) of an "
+                "exception class.",
+                NOT_EXCEPTIONS,
+            )
+        try:
+            value = import_string(path)
+        except Exception as exc:  # a missing module or name, or a module that fails to load
+            raise BadExceptionList(
+                f"{name} names {path!r}, which cannot be imported ({exc}).", UNIMPORTABLE
+            ) from exc
+        if not (isinstance(value, type) and issubclass(value, BaseException)):
+            raise BadExceptionList(
+                f"{name} names {path!r}, which is {validation.show(value)}, not an exception "
+                "class.",
+                NOT_EXCEPTIONS,
+            )
+        classes.append(value)
+    return tuple(classes)
+
+
 class TaskRunner:
     """What the worker calls for a task row: rebuilds the ``TaskResult`` and runs the task.
 
     It sends ``task_started`` and ``task_finished`` (after every attempt; the status is
-    ``READY`` when a retry will follow), and passes a ``TaskContext`` to tasks that take one.
+    ``READY`` when a retry or a snooze will follow), and passes a ``TaskContext`` to tasks
+    that take one.
     """
 
     def __init__(self, task: Task[..., Any]) -> None:
@@ -120,8 +181,15 @@ class TaskRunner:
             else:
                 value = task.call(*args, **kwargs)
             validation.result(value)
+        except Snooze:
+            # Not a failure: the task is READY again later, with no error listed.
+            snoozed = dataclasses.replace(running, status=TaskResultStatus.READY)
+            _send_finished(owner, snoozed, ctx)
+            raise
         except BaseException as exc:
-            retry = ctx.attempts < ctx.max_attempts
+            retry = ctx.attempts < ctx.max_attempts and not registry.get(
+                self.task.module_path
+            ).gives_up_on(exc)
             # As the framework's own backends do: the result lists this attempt's error, and
             # a finished (not retried) task has finished_at.
             failure = Failure.from_exception(exc)
@@ -134,14 +202,24 @@ class TaskRunner:
                 finished_at=None if retry else timezone.now(),
                 errors=[*running.errors, error],
             )
-            task_finished.send(type(owner), task_result=failed)
+            _send_finished(owner, failed, ctx)
             raise
         done = dataclasses.replace(
             running, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now()
         )
         object.__setattr__(done, "_return_value", value)
-        task_finished.send(type(owner), task_result=done)
+        _send_finished(owner, done, ctx)
         return value
+
+
+def _send_finished(owner: BaseTaskBackend, result: TaskResult[Any, Any], ctx: JobContext) -> None:
+    """``task_finished`` for this attempt; for a task cancelled while it ran (its heartbeat
+    saw it), the status its row now has, whatever the function did."""
+    if ctx.cancelled:
+        result = dataclasses.replace(
+            result, status=STATUSES["cancelled"], finished_at=timezone.now()
+        )
+    task_finished.send(type(owner), task_result=result)
 
 
 class PgJobsBackend(BaseTaskBackend):
@@ -162,6 +240,10 @@ class PgJobsBackend(BaseTaskBackend):
             self.options.get("BACKOFF_BASE", conf.get("BACKOFF_BASE")),
             self.options.get("BACKOFF_MAX", conf.get("BACKOFF_MAX")),
         )
+        self.retry_on: Any = self.options.get("RETRY_ON")
+        self.discard_on: Any = self.options.get("DISCARD_ON", [])
+        self.backoff_jitter: Any = self.options.get("BACKOFF_JITTER", False)
+        self.timeout: Any = self.options.get("TIMEOUT")
 
     def validate_task(self, task: Task[..., Any]) -> None:
         """The framework's checks, our queue-name rule; then register it for the worker."""
@@ -187,8 +269,33 @@ class PgJobsBackend(BaseTaskBackend):
                 priority=task.priority,
                 backoff=self._usable_backoff(),
                 stores_result=True,
+                **self._usable_policy(),
             )
         )
+
+    def _usable_policy(self) -> dict[str, Any]:
+        """The ``@job`` options this backend's ``OPTIONS`` give, each left at its default when
+        its value is not valid (check() reports it)."""
+        where = f"TASKS[{self.alias!r}]['OPTIONS']"
+        policy: dict[str, Any] = {}
+        try:
+            if self.retry_on is not None:
+                policy["retry_on"] = validation.exception_types(
+                    exception_classes(self.retry_on, f"{where}['RETRY_ON']"), "RETRY_ON"
+                )
+        except InvalidJobOptions:
+            pass
+        try:
+            policy["discard_on"] = exception_classes(self.discard_on, f"{where}['DISCARD_ON']")
+        except InvalidJobOptions:
+            pass
+        if isinstance(self.backoff_jitter, bool):
+            policy["backoff_jitter"] = self.backoff_jitter
+        try:
+            policy["timeout"] = validation.timeout(self.timeout)
+        except InvalidJobOptions:
+            pass
+        return policy
 
     def _usable_backoff(self) -> tuple[float, float] | None:
         """This backend's backoff if it is valid, else None: the PGJOBS settings' at the time
@@ -337,3 +444,39 @@ class PgJobsBackend(BaseTaskBackend):
                         id="pgjobs.E024",
                     )
         yield from checks.backoff_errors(*self.backoff, where)
+        yield from self._policy_problems(f"{where}['OPTIONS']")
+
+    def _policy_problems(self, where: str) -> Iterable[django_checks.CheckMessage]:
+        for name, value in (("RETRY_ON", self.retry_on), ("DISCARD_ON", self.discard_on)):
+            if name not in self.options:
+                continue
+            try:
+                classes = exception_classes(value, f"{where}[{name!r}]")
+                if name == "RETRY_ON":
+                    validation.exception_types(classes, f"{where}[{name!r}]")
+            except BadExceptionList as exc:
+                yield django_checks.Error(
+                    str(exc),
+                    hint="Errors the task is retried on (RETRY_ON) or failed at once on "
+                    "(DISCARD_ON), each named by its dotted path.",
+                    id=exc.check_id,
+                )
+            except InvalidJobOptions as exc:
+                yield django_checks.Error(
+                    str(exc), hint="Leave RETRY_ON out to retry every error.", id=NOT_EXCEPTIONS
+                )
+        if not isinstance(self.backoff_jitter, bool):
+            yield django_checks.Error(
+                f"{where}['BACKOFF_JITTER'] is {validation.show(self.backoff_jitter)}: use True "
+                "or False.",
+                hint="True draws each retry delay from 75 % to 100 % of itself.",
+                id="pgjobs.E028",
+            )
+        try:
+            validation.timeout(self.timeout, f"{where}['TIMEOUT']")
+        except InvalidJobOptions as exc:
+            yield django_checks.Error(
+                str(exc),
+                hint="The seconds one attempt of a task may run (None: no limit).",
+                id="pgjobs.E029",
+            )

@@ -34,6 +34,8 @@ _IDS = {
     "POLL_INTERVAL": _NUMBER,
     "REAP_INTERVAL": _NUMBER,
     "SHUTDOWN_TIMEOUT": _NUMBER,
+    "MAX_CRASHES": _NUMBER,
+    "MAX_STUCK_EXECUTORS": _NUMBER,
     "BACKOFF_BASE": _NUMBER,
     "BACKOFF_MAX": _NUMBER,
     "MODE": "pgjobs.E004",
@@ -45,6 +47,7 @@ _IDS = {
     "WORKER_SYNCHRONOUS_COMMIT": "pgjobs.E011",
     "NOTIFY": "pgjobs.E012",
     "PREPARE": "pgjobs.E013",
+    "CLAIM_REGISTERED_ONLY": "pgjobs.E014",
 }
 _HINTS = {
     "MODE": "'lease' (the default) commits each claim at once; 'transaction' runs each job "
@@ -59,6 +62,8 @@ _HINTS = {
     "NOTIFY": "'auto' (the default), 'background' or 'inline'.",
     "PREPARE": "True (the default), or False behind a transaction-mode pooler without "
     "prepared-statement support.",
+    "CLAIM_REGISTERED_ONLY": "True (the default) claims only jobs whose task the worker has "
+    "registered; False claims any job.",
 }
 
 

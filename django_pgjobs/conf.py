@@ -51,8 +51,18 @@ DEFAULTS: dict[str, Any] = {
     # Server-side prepared statements on a lease-mode worker's own connections. Set False
     # when DATABASE goes through a transaction-mode pooler that does not support them.
     "PREPARE": True,
+    # Whether a worker claims only jobs whose task it has registered (safe rolling deploys: an
+    # old worker leaves a new task's jobs to the new workers). False: it claims any job, and
+    # fails one whose task it does not know.
+    "CLAIM_REGISTERED_ONLY": True,
     # Seconds a stopping worker waits for running jobs before it exits anyway.
     "SHUTDOWN_TIMEOUT": 30.0,
+    # Attempts in a row that ended with the worker dying (lease expired, reaped) after which
+    # a job is failed for good, however many attempts it has left.
+    "MAX_CRASHES": 2,
+    # Executor threads left stuck in jobs that ran past their timeout (a thread cannot be
+    # killed) that a worker tolerates; one more and it stops claiming and exits non-zero.
+    "MAX_STUCK_EXECUTORS": 3,
     # Extra modules to import at start-up, for @job functions outside apps' jobs/tasks modules.
     "IMPORTS": [],
     # Periodic jobs for tasks that cannot be decorated with @periodic:
@@ -145,6 +155,14 @@ def shutdown_timeout() -> float:
     return float(value("SHUTDOWN_TIMEOUT"))
 
 
+def max_crashes() -> int:
+    return int(value("MAX_CRASHES"))
+
+
+def max_stuck_executors() -> int:
+    return int(value("MAX_STUCK_EXECUTORS"))
+
+
 def worker_synchronous_commit() -> str | None:
     commit: str | None = value("WORKER_SYNCHRONOUS_COMMIT")
     return commit
@@ -152,6 +170,10 @@ def worker_synchronous_commit() -> str | None:
 
 def prepare() -> bool:
     return bool(value("PREPARE"))
+
+
+def claim_registered_only() -> bool:
+    return bool(value("CLAIM_REGISTERED_ONLY"))
 
 
 def imports() -> list[str]:

@@ -82,6 +82,10 @@ class DirectConnections:
             conn = psycopg.connect(
                 **self.params, autocommit=True, prepare_threshold=self.prepare_threshold
             )
+            # The one explicit transaction on these connections, the guarded claim, counts
+            # what the claims before it committed: it needs READ COMMITTED's fresh snapshot
+            # per statement, whatever the server's default_transaction_isolation says.
+            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             self._local.conn = conn
         return conn
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, NoReturn
+
+from django_pgjobs.exceptions import Snooze
 
 _current: ContextVar[JobContext | None] = ContextVar("pgjobs_current_job", default=None)
 
@@ -16,8 +18,10 @@ class JobContext:
     """The job an executor is running.
 
     ``lost`` becomes true when a lease extension updated no row: the job was reaped and may
-    already run elsewhere. A long job should check it between steps and stop early; whatever
-    it returns afterwards is not recorded (the fence would refuse it anyway).
+    already run elsewhere. ``cancelled`` when ``Job.objects.cancel()`` stopped it, and
+    ``timed_out`` when it ran past its ``timeout`` (its attempt is already failed). A long job
+    should check ``should_stop`` between steps and return early; whatever it returns
+    afterwards is not recorded (the fence would refuse it anyway).
     """
 
     id: int
@@ -30,14 +34,45 @@ class JobContext:
     # time it started (None for a job that no schedule enqueued).
     schedule: str | None = None
     scheduled_at: datetime | None = None
+    # How long this attempt may run (None: no limit).
+    timeout: float | None = None
     _lost: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    _timed_out: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def lost(self) -> bool:
+        """The lease was lost (the reaper took the job back): it is no longer ours."""
         return self._lost.is_set()
+
+    @property
+    def cancelled(self) -> bool:
+        """``Job.objects.cancel()`` cancelled the job while it ran."""
+        return self._cancelled.is_set()
+
+    @property
+    def timed_out(self) -> bool:
+        """The attempt ran past its timeout and was failed with ``JobTimeout``."""
+        return self._timed_out.is_set()
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether the job should stop now: lost, cancelled or timed out."""
+        return self.lost or self.cancelled or self.timed_out
+
+    def snooze(self, delay: float | timedelta) -> NoReturn:
+        """Stop here and run the job again ``delay`` (seconds or a timedelta) later, without
+        spending an attempt: raises ``Snooze``, which the worker records."""
+        raise Snooze(delay)
 
     def mark_lost(self) -> None:
         self._lost.set()
+
+    def mark_cancelled(self) -> None:
+        self._cancelled.set()
+
+    def mark_timed_out(self) -> None:
+        self._timed_out.set()
 
 
 def current_job() -> JobContext | None:

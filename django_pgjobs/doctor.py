@@ -11,6 +11,10 @@ dead rows autovacuum cannot remove (a session, a prepared transaction or a repli
 holding the xmin horizon), autovacuum not coming although the table is past its threshold,
 and settings that turn it off. The dead-to-live ratio is shown, never judged.
 
+Queue control is read here too: ``queue_control()`` (paused, global limits), the live workers
+of the registry and the ready jobs no live worker can run (``sql.UNRUNNABLE``): a job whose
+queue no live worker serves, or whose task none of them has registered, waits for good.
+
 ``diagnose()`` gathers the facts into a ``Report`` and then runs each function of
 ``CHECKS`` on it; each returns its problems as sentences that say what to do. A new check is
 one more function in that list.
@@ -18,6 +22,7 @@ one more function in that list.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -27,6 +32,7 @@ from django.db import connections
 
 from django_pgjobs import conf, schedules, sql
 from django_pgjobs.lifecycle import last_line
+from django_pgjobs.models import QueueState
 
 
 @dataclass
@@ -108,6 +114,52 @@ def overview(alias: str | None = None, *, minutes: int = 60, failures: int = 10)
 
 
 @dataclass
+class QueueControl:
+    """An operator's steering of one queue (its ``pgjobs_queue`` row; none: the defaults)."""
+
+    queue: str
+    paused: bool = False
+    concurrency: int | None = None
+    rate_count: int | None = None
+    rate_period: timedelta | None = None
+
+
+def queue_control(alias: str | None = None) -> dict[str, QueueControl]:
+    """Every queue with a ``pgjobs_queue`` row (one per queue ever paused or limited)."""
+    rows = QueueState.objects.using(alias or conf.database()).order_by("name")
+    return {
+        row.name: QueueControl(
+            row.name, row.paused, row.concurrency, row.rate_count, row.rate_period
+        )
+        for row in rows
+    }
+
+
+def live_workers(alias: str | None = None) -> list[dict[str, Any]]:
+    """The registry's live workers, oldest first: ``queues`` maps each queue to the worker's
+    own limit for it (``None``: its shared concurrency), ``tasks`` is ``None`` for a worker
+    that claims any task."""
+    connection = connections[alias or conf.database()]
+    found = sql.records(connection, sql.LIVE_WORKERS, {})
+    for worker in found:
+        # Django's psycopg setup hands jsonb back as text.
+        if isinstance(worker["queues"], str):
+            worker["queues"] = json.loads(worker["queues"])
+    return found
+
+
+def worker_queues(worker: dict[str, Any]) -> str:
+    """A live worker's queues as ``runjobs --queue`` takes them: NAME=N, or NAME alone."""
+    limits = worker["queues"]
+    return ", ".join(name if n is None else f"{name}={n}" for name, n in limits.items())
+
+
+def unrunnable(alias: str | None = None) -> list[dict[str, Any]]:
+    """Ready jobs that no live worker can run, per queue and task (``sql.UNRUNNABLE``)."""
+    return sql.records(connections[alias or conf.database()], sql.UNRUNNABLE, {})
+
+
+@dataclass
 class Thresholds:
     """When the doctor calls something a problem.
 
@@ -173,6 +225,18 @@ class Report:
     invalid_indexes: list[str]
     # Each declared periodic schedule: its last and next tick, its last job, its errors.
     schedules: list[dict[str, Any]] = field(default_factory=list)
+    # Jobs failed in the last hour because their workers kept dying (WorkerCrashed), and the
+    # live jobs whose latest attempt ended with a dead worker.
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
+    # How many were quarantined in the last hour (``quarantined`` lists the latest 20).
+    quarantined_count: int = 0
+    suspects: int = 0
+    # The registry's live workers, and the ready jobs none of them can run (per queue and
+    # task; ``served`` false: no live worker serves the queue at all).
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    unrunnable: list[dict[str, Any]] = field(default_factory=list)
+    # Queues an operator paused: information, not a problem (their jobs wait on purpose).
+    paused: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -219,6 +283,9 @@ def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> 
         sql.records(connection, sql.PREPARED_TRANSACTIONS, {}),
         sql.records(connection, sql.REPLICATION_SLOTS, {}),
     )
+    quarantined = sql.records(
+        connection, sql.QUARANTINED, {"window": timedelta(hours=1), "limit": 20}
+    )
     report = Report(
         queues=live.queues,
         expired_leases=expired,
@@ -232,6 +299,12 @@ def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> 
         vacuum_locks=sql.records(connection, sql.VACUUM_LOCKS, {}),
         invalid_indexes=[row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})],
         schedules=schedule_health(alias),
+        quarantined=[{k: v for k, v in row.items() if k != "total"} for row in quarantined],
+        quarantined_count=int(quarantined[0]["total"]) if quarantined else 0,
+        suspects=int(sql.run(connection, sql.SUSPECTS, {})[0][0]),
+        workers=live_workers(alias),
+        unrunnable=unrunnable(alias),
+        paused=[name for name, state in queue_control(alias).items() if state.paused],
     )
     report.problems = [problem for check in CHECKS for problem in check(report, limits)]
     return report
@@ -379,6 +452,27 @@ def check_queue_lag(report: Report, limits: Thresholds) -> list[str]:
     ]
 
 
+def check_unrunnable(report: Report, limits: Thresholds) -> list[str]:
+    """Ready jobs no live worker can run wait until one that can starts: a problem at once,
+    as the lag check would call it only later (and not per task)."""
+    problems = []
+    for row in report.unrunnable:
+        what = f"queue {row['queue']}: {row['ready']} ready job(s) of {row['task']}"
+        if not row["served"]:
+            problems.append(
+                f"{what} and no live worker serves the queue: start a worker with "
+                f"`manage.py runjobs --queue {row['queue']}`."
+            )
+        else:
+            problems.append(
+                f"{what}, a task none of the live workers serving the queue has registered "
+                "(old code, or a module they do not import): deploy workers that know it; "
+                "they claim only the tasks they have registered "
+                "(PGJOBS['CLAIM_REGISTERED_ONLY'])."
+            )
+    return problems
+
+
 def check_expired_leases(report: Report, limits: Thresholds) -> list[str]:
     expired = sum(queue.expired for queue in report.queues)
     if not expired:
@@ -387,6 +481,16 @@ def check_expired_leases(report: Report, limits: Thresholds) -> list[str]:
     return [
         f"{expired} running job(s) have expired leases (e.g. {ids}): their worker died or "
         "hangs; run `manage.py reapjobs` or check that workers reap (--reap-interval)."
+    ]
+
+
+def check_quarantined(report: Report, limits: Thresholds) -> list[str]:
+    return [
+        f"job {job['id']} {job['task']} (queue {job['queue']}) was failed after its worker died "
+        f"{job['crashes']} times in a row while running it: it kills its worker (out of "
+        "memory? os._exit()? a segfault in a C extension?); fix it, then retry it from the "
+        "admin or with Job.objects.retry()."
+        for job in report.quarantined
     ]
 
 
@@ -529,7 +633,9 @@ def check_schedules(report: Report, limits: Thresholds) -> list[str]:
 
 CHECKS: list[Check] = [
     check_queue_lag,
+    check_unrunnable,
     check_expired_leases,
+    check_quarantined,
     check_idle_in_transaction,
     check_horizon,
     check_invalid_indexes,

@@ -19,6 +19,10 @@ from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any, NamedTuple
 
+import psycopg
+from django.db import OperationalError, transaction
+from psycopg.errors import LockNotAvailable as PsycopgLockNotAvailable
+
 from django_pgjobs import sql, validation
 from django_pgjobs.exceptions import InvalidJobOptions
 
@@ -31,6 +35,9 @@ REAP_BATCH = 1000
 # Nothing is reaped this long after the server started (sql.REAP): longer than the slowest
 # reconnect of a worker's writer (worker.db.Backoff's ceiling, 30 s), twice over.
 REAP_SETTLE = timedelta(seconds=60)
+# How long a guarded claim waits for a lock (the guard, or a queue row it stamps) before it
+# gives up and takes nothing this time.
+GUARD_TIMEOUT = "5s"
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,10 @@ class ClaimedJob:
     # A periodic job's schedule and the tick it serves (None for any other job).
     schedule: str | None = None
     scheduled_at: datetime | None = None
+    # Attempts in a row before this one that ended with their worker dead.
+    crashes: int = 0
+    # Seconds this attempt may run (None: no limit).
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -168,16 +179,54 @@ def claim(
     lease: timedelta,
     worker_id: str,
     synchronous_commit: str | None,
+    suspects: bool = True,
+    tasks: sql.TextArray | None = None,
+    guarded: bool = False,
 ) -> list[ClaimedJob]:
+    """Claim up to ``limit`` ready jobs; without ``suspects``, only jobs whose last attempt
+    did not end with its worker dead (``crashes`` = 0); with ``tasks``, only jobs of those
+    tasks.
+
+    The plain claim (one statement) takes nothing from a paused or limited queue and no job
+    with a lock key. ``guarded`` claims those, within the queue's limits and one job per free
+    lock key: in a transaction of its own after ``sql.GUARD`` (a lock every guarded claim of
+    the fleet takes), so ``connection`` must be in autocommit (a worker's direct connection).
+    """
     params = {
         "queue": queue,
         "limit": limit,
         "lease": lease,
         "worker_id": worker_id,
         "synchronous_commit": synchronous_commit,
+        "suspects": suspects,
+        "tasks": tasks,
     }
+    if guarded:
+        block = (
+            connection.transaction()
+            if isinstance(connection, psycopg.Connection)
+            else transaction.atomic(using=connection.alias)
+        )
+        try:
+            with block:
+                sql.run(connection, sql.GUARD, {"lock_timeout": GUARD_TIMEOUT})
+                rows = sql.run(connection, sql.CLAIM_GUARDED, params)
+        except (PsycopgLockNotAvailable, OperationalError) as exc:
+            if not isinstance(exc.__cause__ or exc, PsycopgLockNotAvailable):
+                raise
+            logger.warning(
+                "the guarded claim of queue %s waited %s for a lock and gave up; claiming again "
+                "later (is a session holding the queue's row, or the guard, in a long "
+                "transaction?)",
+                queue,
+                GUARD_TIMEOUT,
+                extra={"action": "claim", "queue": queue, "worker_id": worker_id},
+            )
+            return []
+    else:
+        rows = sql.run(connection, sql.CLAIM, params)
     jobs = []
-    for row in sql.run(connection, sql.CLAIM, params):
+    for row in rows:
         job_id, job_queue, task, text, attempts, max_attempts, claimed_at, outages = row[:8]
         payload, invalid = _payload(text)
         jobs.append(
@@ -193,6 +242,8 @@ def claim(
                 invalid,
                 schedule=row[8],
                 scheduled_at=None if row[9] is None else row[9].astimezone(dt_timezone.utc),
+                crashes=row[10],
+                timeout=row[11],
             )
         )
     return jobs
@@ -223,12 +274,18 @@ def complete(
 
 @dataclass(frozen=True)
 class FailedAttempt:
-    """One claim to fail: its error, its ``(base, cap)`` backoff, and whether it is final."""
+    """One claim to fail: its error, its ``(base, cap)`` backoff, and whether it is final.
+
+    ``delay`` (seconds), when given, replaces the backoff formula (a job's backoff callable);
+    ``jitter`` draws the delay from [75 %, 100 %) of itself.
+    """
 
     claim: Claim
     failure: Failure
     backoff: tuple[float, float]
     final: bool = False
+    delay: float | None = None
+    jitter: bool = False
 
 
 def fail(
@@ -247,9 +304,27 @@ def fail(
         "bases": [float(a.backoff[0]) for a in ordered],
         "caps": [float(a.backoff[1]) for a in ordered],
         "finals": [a.final for a in ordered],
+        "delays": [a.delay for a in ordered],
+        "jitters": [a.jitter for a in ordered],
         "synchronous_commit": synchronous_commit,
     }
     return {row[0]: row[1] for row in fenced(connection, "fail", sql.FAIL, claims, params)}
+
+
+def snooze(
+    connection: sql.Connection,
+    snoozes: Sequence[tuple[Claim, float]],
+    *,
+    synchronous_commit: str | None,
+) -> set[int]:
+    """Snooze claims (each with its delay in seconds) in one statement; return the ids."""
+    delays = {fence_of(claim)[0]: float(delay) for claim, delay in snoozes}
+    claims = fences(claim for claim, _delay in snoozes)
+    params = claims | {
+        "delays": [delays[job_id] for job_id in claims["ids"]],
+        "synchronous_commit": synchronous_commit,
+    }
+    return {row[0] for row in fenced(connection, "snooze", sql.SNOOZE, claims, params)}
 
 
 def extend_lease(
@@ -262,6 +337,14 @@ def extend_lease(
     claims = fences(jobs)
     params = claims | {"lease": lease, "synchronous_commit": synchronous_commit}
     return {row[0] for row in fenced(connection, "extend_lease", sql.EXTEND_LEASE, claims, params)}
+
+
+def cancelled_among(connection: sql.Connection, jobs: Iterable[Claim]) -> set[int]:
+    """Which of these claims were cancelled (``Job.objects.cancel``), not taken otherwise."""
+    claims = fences(jobs)
+    if not claims["ids"]:
+        return set()
+    return {row[0] for row in sql.run(connection, sql.CANCELLED_AMONG, claims)}
 
 
 def expire_lease(
@@ -316,11 +399,19 @@ def fenced(
 
 
 def reap(
-    connection: sql.Connection, batch_size: int = REAP_BATCH, settle: timedelta = REAP_SETTLE
+    connection: sql.Connection,
+    batch_size: int = REAP_BATCH,
+    settle: timedelta = REAP_SETTLE,
+    *,
+    max_crashes: int,
 ) -> list[Reaped]:
-    """Requeue (or fail) expired leases in batches until one comes back short."""
+    """Requeue (or fail) expired leases in batches until one comes back short; then clear
+    the registry rows of workers past their expiry.
+
+    Each expired lease counts a crash; the ``max_crashes``-th in a row fails the job as
+    ``WorkerCrashed`` whatever attempts it has left."""
     reaped: list[Reaped] = []
-    params = {"limit": batch_size, "settle": settle}
+    params = {"limit": batch_size, "settle": settle, "max_crashes": max_crashes}
     while True:
         rows = [Reaped(*row) for row in sql.run(connection, sql.REAP, params)]
         reaped.extend(rows)
@@ -333,11 +424,35 @@ def reap(
                 extra={"action": "reap", "job_id": row.id, "attempts": row.attempts},
             )
         if len(rows) < batch_size:
-            return reaped
+            break
+    # The registry rows of workers that stopped heartbeating (their jobs' leases tell the
+    # rest: a worker cut off from the database may still be running them).
+    for (worker_id,) in sql.run(connection, sql.FORGET_WORKERS, {}):
+        logger.warning(
+            "worker %s stopped heartbeating: its registry row is cleared",
+            worker_id,
+            extra={"action": "reap", "worker_id": worker_id},
+        )
+    return reaped
 
 
-def seconds_until_due(connection: sql.Connection, queues: Sequence[str]) -> float | None:
-    """Seconds until the earliest job of ``queues`` that is not yet due becomes due."""
-    rows = sql.run(connection, sql.NEXT_DUE, {"queues": list(queues)})
-    seconds = rows[0][0] if rows else None
-    return None if seconds is None else max(0.0, float(seconds))
+@dataclass(frozen=True)
+class Outlook:
+    """What a worker learns of its queues after a short claim (``sql.OUTLOOK``)."""
+
+    # Seconds until the earliest deferred job comes due, if any.
+    due: float | None
+    # The queues to claim through the guarded claim (a limit, or jobs with lock keys).
+    guarded: frozenset[str]
+    # Seconds until a full rate window of one of them has room again, if any is full.
+    rate_free: float | None
+
+
+def outlook(connection: sql.Connection, queues: Sequence[str]) -> Outlook:
+    """When to look again, and which of ``queues`` need the guarded claim."""
+    due, guarded, rate_free = sql.run(connection, sql.OUTLOOK, {"queues": list(queues)})[0]
+    return Outlook(
+        None if due is None else max(0.0, float(due)),
+        frozenset(guarded),
+        None if rate_free is None else max(0.0, float(rate_free)),
+    )

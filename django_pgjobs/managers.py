@@ -1,4 +1,5 @@
-"""The lifecycle verbs: enqueue, claim, complete, fail, extend_lease, release, reap, prune.
+"""The lifecycle verbs: enqueue, claim, complete, fail, snooze, extend_lease, release, reap,
+cancel, prune.
 
 Each verb runs one statement from ``sql.py`` on the manager's database alias (the shared
 helpers in ``lifecycle.py`` shape its parameters). The writes after a claim are fenced on the
@@ -10,18 +11,19 @@ The ``*_many`` forms do the same for a batch in one statement.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings as django_settings
-from django.db import connections, models
+from django.db import connections, models, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from django_pgjobs import conf, lifecycle, registry, sql, validation
-from django_pgjobs.exceptions import InvalidJobOptions, NotPostgreSQL
+from django_pgjobs.exceptions import InvalidJobOptions, NotPostgreSQL, UniqueKeyBusy
 from django_pgjobs.lifecycle import (
     ERROR_LIMIT,
     REAP_BATCH,
@@ -36,12 +38,14 @@ from django_pgjobs.notify import notify_on_commit
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
+    from typing_extensions import LiteralString
 
     from django_pgjobs.models import Job
 
 __all__ = [
     "ERROR_LIMIT",
     "ClaimedJob",
+    "Enqueued",
     "Failure",
     "JobManager",
     "Reaped",
@@ -50,7 +54,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PRUNABLE = ("done", "failed")
+# The largest job id (a bigint).
+MAX_BIGINT = 2**63 - 1
+
+PRUNABLE = ("done", "failed", "cancelled")
 
 
 def _timestamp(text: str) -> datetime:
@@ -75,6 +82,91 @@ def _fence(job: ClaimedJob | int, attempts: int | None, claimed_at: datetime | N
             "returned, or a job id and its attempts."
         )
     return (job, attempts, claimed_at)
+
+
+# How many times an enqueue inserts when its unique key keeps being held at the insert and
+# free by the read that follows (a holder finishing in between); more means a key that jobs
+# take and give up continuously.
+UNIQUE_TRIES = 3
+
+
+class Enqueued(list[int]):
+    """What ``enqueue_many()`` returns: the job ids, one per payload, in order.
+
+    ``created`` is parallel to it: ``False`` where the id is that of a job that already held
+    the payload's unique key, or of an earlier payload of the same call with the same key.
+    """
+
+    def __init__(self, ids: Iterable[int] = (), created: list[bool] | None = None) -> None:
+        super().__init__(ids)
+        # Without `created` (a copy, such as Django makes of a list it is given), all are new.
+        self.created = [True] * len(self) if created is None else created
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """An enqueue, checked: its connection, columns, statement parameters and payloads."""
+
+    connection: BaseDatabaseWrapper
+    fields: dict[str, Any]
+    params: dict[str, Any]
+    texts: list[str]
+    # One key per payload (None: that payload has none), or None when no payload has one.
+    keys: list[str | None] | None
+    # The lock keys, the same way.
+    locks: list[str | None] | None
+    # Whether the INSERT carries its own NOTIFY (else an on_commit hook sends it).
+    here: bool
+
+    def notify(self, alias: str) -> None:
+        """After a job was written: register the hook, unless the INSERT notified itself."""
+        if not self.here:
+            notify_on_commit(alias, self.fields["queue"])
+
+
+def _keys(
+    func: registry.JobFunction[..., Any],
+    payloads: Sequence[Any],
+    given: str | Callable[[dict[str, Any]], str | None] | None,
+    option: str,
+) -> list[str | None] | None:
+    """Each payload's ``option`` key (unique or lock): the one given, else the ``@job``'s
+    callable's; ``None`` when no payload has one."""
+    source = given if given is not None else getattr(func, option)
+    if source is None:
+        return None
+    if not callable(source):
+        return [validation.unique_key(source, option)] * len(payloads)
+    keys = []
+    for payload in payloads:
+        key = source(payload)
+        keys.append(None if key is None else validation.unique_key(key, f"{option} of {func.name}"))
+    return keys if any(key is not None for key in keys) else None
+
+
+def _unique_keys(
+    func: registry.JobFunction[..., Any],
+    payloads: Sequence[Any],
+    unique_key: str | Callable[[dict[str, Any]], str | None] | None,
+    unique_while: str | None,
+) -> list[str | None] | None:
+    """Each payload's unique key: the one given, else the ``@job``'s callable's."""
+    if unique_key is None and func.unique_key is None and unique_while is not None:
+        raise InvalidJobOptions(
+            f"unique_while {validation.show(unique_while)} for task {func.name!r} without "
+            "a unique key: pass unique_key= (or give @job a unique_key callable), or leave "
+            "unique_while out."
+        )
+    return _keys(func, payloads, unique_key, "unique_key")
+
+
+def _busy(fields: Mapping[str, Any], keys: list[str]) -> UniqueKeyBusy:
+    return UniqueKeyBusy(
+        f"Task {fields['task']!r}, queue {fields['queue']!r}: unique key(s) {keys[:3]!r} were "
+        f"held by another job at each of {UNIQUE_TRIES} inserts, yet by no job when read back "
+        "(jobs with these keys are enqueued and finished faster than this enqueue can look); "
+        "nothing was enqueued for them: enqueue again."
+    )
 
 
 class JobManager(models.Manager["Job"]):
@@ -106,17 +198,27 @@ class JobManager(models.Manager["Job"]):
         delay: Any = None,
         priority: int | None = None,
         max_attempts: int | None = None,
+        timeout: Any = None,
+        unique_key: str | None = None,
+        unique_while: str | None = None,
+        lock_key: str | None = None,
     ) -> Job:
         """Add one job in the caller's transaction; workers are notified when it commits.
 
         ``task`` is a ``@job`` function or its registered name; ``payload`` the keyword
         arguments it will be called with (JSON values only). ``run_at`` (an aware datetime)
         or ``delay`` (a timedelta or seconds, measured on the database clock) defer it.
+        ``timeout`` (a timedelta or seconds) is how long one attempt may run.
+        ``unique_key`` (default: the ``@job``'s ``unique_key(payload)``) de-duplicates: while
+        a job holding the key is queued (``unique_while="queued"``, the default) or queued or
+        running (``"active"``), no row is inserted and that job is returned instead.
+        ``lock_key`` (default: the ``@job``'s ``lock_key(payload)``): at most one job holding
+        the key runs at a time, across every worker and queue.
         Options left out take the ``@job`` defaults, then the ``PGJOBS`` settings.
-        Returns the new ``Job``.
+        Returns the ``Job``; its ``created`` is ``False`` when it is the existing holder.
         """
         payload = {} if payload is None else payload
-        rows, fields = self._insert(
+        plan = self._plan(
             task,
             [payload],
             queue=queue,
@@ -124,7 +226,28 @@ class JobManager(models.Manager["Job"]):
             delay=delay,
             priority=priority,
             max_attempts=max_attempts,
+            timeout=timeout,
+            unique_key=unique_key,
+            unique_while=unique_while,
+            lock_key=lock_key,
         )
+        key = plan.keys[0] if plan.keys else None
+        lock = plan.locks[0] if plan.locks else None
+        params = plan.params | {"payload": plan.texts[0], "unique_key": key, "lock_key": lock}
+        statement = sql.ENQUEUE_ONE if key is None else sql.ENQUEUE_ONE_UNIQUE
+        rows = sql.run(plan.connection, statement, params)
+        tries = 1
+        while not rows and key is not None:
+            holder = self._holder(key)
+            if holder is not None:
+                holder.created = False
+                return holder
+            # The holder left the key's window between the insert and the read: try again.
+            if tries == UNIQUE_TRIES:
+                raise _busy(plan.fields, [key])
+            tries += 1
+            rows = sql.run(plan.connection, statement, params)
+        plan.notify(self.db_alias)
         job_id, job_run_at, created_at, _notified = rows[0]
         known = {
             "id": job_id,
@@ -133,7 +256,10 @@ class JobManager(models.Manager["Job"]):
             "created_at": _timestamp(created_at),
             "attempts": 0,
             "status": "queued",
-            **fields,
+            "unique_key": key,
+            "unique_while": params["unique_while"],
+            "lock_key": lock,
+            **plan.fields,
         }
         # Every column in order, as a row read back (from_db): Django's positional fast path.
         # The columns enqueue() does not set hold their defaults (NULL, or an empty list).
@@ -142,7 +268,9 @@ class JobManager(models.Manager["Job"]):
             known[field.attname] if field.attname in known else field.get_default()
             for field in columns
         ]
-        return self.model.from_db(self.db_alias, [field.attname for field in columns], values)
+        job = self.model.from_db(self.db_alias, [field.attname for field in columns], values)
+        job.created = True
+        return job
 
     def enqueue_many(
         self,
@@ -154,12 +282,28 @@ class JobManager(models.Manager["Job"]):
         delay: Any = None,
         priority: int | None = None,
         max_attempts: int | None = None,
-    ) -> list[int]:
+        timeout: Any = None,
+        unique_key: Callable[[dict[str, Any]], str | None] | None = None,
+        unique_while: str | None = None,
+        lock_key: Callable[[dict[str, Any]], str | None] | None = None,
+    ) -> Enqueued:
         """Add many jobs of one task with one INSERT and one NOTIFY; return their ids in order.
 
         Every payload is validated before anything is written: one bad payload writes none.
+        ``unique_key`` (default: the ``@job``'s) gives each payload's key, or ``None``: of the
+        payloads that share a key the first is enqueued and the others get its id, and a key
+        another job holds gets that job's id. The returned list's ``created`` says, payload
+        by payload, whether its id is a new job. ``lock_key`` (default: the ``@job``'s) gives
+        each payload's lock key, or ``None``.
         """
-        rows, _fields = self._insert(
+        for option, source in (("unique_key", unique_key), ("lock_key", lock_key)):
+            if source is not None and not callable(source):
+                raise InvalidJobOptions(
+                    f"Invalid {option} {validation.show(source)} for enqueue_many(): use a "
+                    "callable that takes a payload and returns its key (a str, or None for no "
+                    "key)."
+                )
+        plan = self._plan(
             task,
             list(payloads),
             queue=queue,
@@ -167,10 +311,78 @@ class JobManager(models.Manager["Job"]):
             delay=delay,
             priority=priority,
             max_attempts=max_attempts,
+            timeout=timeout,
+            unique_key=unique_key,
+            unique_while=unique_while,
+            lock_key=lock_key,
         )
-        return [row[0] for row in rows]
+        if not plan.texts:
+            return Enqueued([], [])
+        if not plan.keys:
+            rows = self._insert_many(plan, sql.ENQUEUE, list(range(len(plan.texts))), None)
+            plan.notify(self.db_alias)
+            return Enqueued([row[0] for row in rows], [True] * len(rows))
+        # Each key is sent once, with its first payload; the later ones share its outcome.
+        first: dict[str, int] = {}
+        for index, key in enumerate(plan.keys):
+            if key is not None:
+                first.setdefault(key, index)
+        # All or nothing: a UniqueKeyBusy rolls back the rows already inserted (a savepoint
+        # inside the caller's transaction).
+        with transaction.atomic(using=self.db_alias):
+            keyless, new, held = self._insert_unique(plan, plan.keys, first)
+        ids: list[int] = []
+        created: list[bool] = []
+        for index, key in enumerate(plan.keys):
+            if key is None:
+                ids.append(next(keyless))
+                created.append(True)
+            elif key in new:
+                ids.append(new[key])
+                created.append(first[key] == index)
+            else:
+                ids.append(held[key])
+                created.append(False)
+        # After the block: in autocommit the hook runs once the rows are committed.
+        if any(created):
+            plan.notify(self.db_alias)
+        return Enqueued(ids, created)
 
-    def _insert(
+    def _insert_unique(
+        self, plan: _Plan, keys: list[str | None], first: dict[str, int]
+    ) -> tuple[Iterator[int], dict[str, int], dict[str, int]]:
+        """Insert the payloads of a call with keys; return the keyless rows' ids (in payload
+        order), the keys inserted (key -> id) and the keys held by other jobs (key -> id).
+
+        The keyed rows go in sorted by key, in every round: two calls that share keys take
+        them in the same order, so one waits for the other instead of both deadlocking.
+        """
+        waiting = sorted(first)
+        sent = [i for i, key in enumerate(keys) if key is None]
+        sent += [first[key] for key in waiting]
+        rows = self._insert_many(plan, sql.ENQUEUE_UNIQUE, sent, [keys[i] for i in sent])
+        keyless = iter([row[0] for row in rows if row[1] is None])
+        new = {key: job_id for job_id, key in rows if key is not None}
+        held: dict[str, int] = {}
+        waiting = [key for key in waiting if key not in new]
+        tries = 1
+        while waiting:
+            held.update(sql.run(plan.connection, sql.UNIQUE_HOLDER_IDS, {"unique_keys": waiting}))
+            waiting = [key for key in waiting if key not in held]
+            if not waiting:
+                break
+            # Their holders left the window between the insert and the read: try again.
+            if tries == UNIQUE_TRIES:
+                raise _busy(plan.fields, waiting)
+            tries += 1
+            rows = self._insert_many(
+                plan, sql.ENQUEUE_UNIQUE, [first[key] for key in waiting], waiting
+            )
+            new.update((key, job_id) for job_id, key in rows)
+            waiting = [key for key in waiting if key not in new]
+        return keyless, new, held
+
+    def _plan(
         self,
         task: str | Callable[..., Any],
         payloads: Sequence[Any],
@@ -180,7 +392,12 @@ class JobManager(models.Manager["Job"]):
         delay: Any,
         priority: int | None,
         max_attempts: int | None,
-    ) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+        timeout: Any,
+        unique_key: str | Callable[[dict[str, Any]], str | None] | None,
+        unique_while: str | None,
+        lock_key: str | Callable[[dict[str, Any]], str | None] | None,
+    ) -> _Plan:
+        """Check every option and payload (nothing is sent before) and shape the INSERT."""
         func = registry.resolve(task)
         if max_attempts is None:
             max_attempts = func.max_attempts or conf.max_attempts()
@@ -193,11 +410,13 @@ class JobManager(models.Manager["Job"]):
             ),
             "priority": validation.priority(func.priority if priority is None else priority),
             "max_attempts": validation.max_attempts(max_attempts),
+            "timeout": func.timeout if timeout is None else validation.timeout(timeout),
         }
         when, wait = validation.schedule(run_at, delay)
         texts = [validation.payload(p) for p in payloads]
-        if not texts:
-            return [], fields
+        keys = _unique_keys(func, payloads, unique_key, unique_while)
+        locks = _keys(func, payloads, lock_key, "lock_key")
+        mode = validation.unique_while(func.unique_while if unique_while is None else unique_while)
         connection = self.connection()
         # Outside atomic() the INSERT sends its own NOTIFY: in autocommit it is the whole
         # transaction ("auto"); under manual transaction management (set_autocommit(False))
@@ -210,15 +429,28 @@ class JobManager(models.Manager["Job"]):
             "run_at": when,
             "delay": wait,
             "notify_channel": conf.channel() if here else None,
+            "unique_while": mode if keys else None,
         }
-        if len(texts) == 1:
-            rows = sql.run(connection, sql.ENQUEUE_ONE, params | {"payload": texts[0]})
-        else:
-            payloads = "[" + ",".join(texts) + "]"
-            rows = sql.run(connection, sql.ENQUEUE, params | {"payloads": payloads})
-        if not here:
-            notify_on_commit(self.db_alias, fields["queue"])
-        return rows, fields
+        return _Plan(connection, fields, params, texts, keys, locks, here)
+
+    def _insert_many(
+        self,
+        plan: _Plan,
+        statement: LiteralString,
+        indexes: list[int],
+        keys: Sequence[str | None] | None,
+    ) -> list[tuple[Any, ...]]:
+        """Run a bulk INSERT of the payloads at ``indexes``, with their unique ``keys``; its
+        rows are (id[, unique_key]), skipped keys missing."""
+        payloads = "[" + ",".join(plan.texts[i] for i in indexes) + "]"
+        locks = None if plan.locks is None else [plan.locks[i] for i in indexes]
+        params = {"payloads": payloads, "unique_keys": keys, "lock_keys": locks}
+        return sql.run(plan.connection, statement, plan.params | params)
+
+    def _holder(self, key: str) -> Job | None:
+        """The job that holds this unique key now, or ``None`` if no job does."""
+        rows = self.get_queryset().using(self.db_alias).raw(sql.UNIQUE_HOLDER, {"unique_key": key})
+        return next(iter(rows), None)
 
     # -- claim -------------------------------------------------------------------------
 
@@ -230,6 +462,7 @@ class JobManager(models.Manager["Job"]):
         *,
         mode: str = "lease",
         worker_id: str | None = None,
+        guarded: bool = False,
     ) -> list[ClaimedJob]:
         """Take up to ``limit`` ready jobs of ``queue``, skipping rows other workers hold.
 
@@ -238,8 +471,13 @@ class JobManager(models.Manager["Job"]):
         commits at once and must not run inside ``atomic()`` (that would hold its locks and
         freeze ``now()``); in ``transaction`` mode it must, and the caller completes the job
         before committing. ``worker_id`` (default ``host:pid``) is added to ``worker_ids``.
+
+        Nothing is taken from a paused queue or one with a limit, and no job with a lock key,
+        unless ``guarded`` (lease mode): then the claim takes its turn under the lock every
+        guarded claim takes, and starts what the queue's limits and the free lock keys allow.
         """
         validation.queue_name(queue)
+        validation.choice("guarded", guarded, (True, False))
         validation.positive_int("limit", limit)
         lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
         validation.mode(mode)
@@ -254,6 +492,11 @@ class JobManager(models.Manager["Job"]):
                 "claim(mode='transaction') must run inside transaction.atomic(): the claim, "
                 "the job and its completion share that transaction."
             )
+        if guarded and mode == "transaction":
+            raise InvalidJobOptions(
+                "claim(guarded=True) is for lease mode: in transaction mode a claimed job is "
+                "running to no other session, so limits and lock keys cannot count it."
+            )
         return lifecycle.claim(
             connection,
             queue=queue,
@@ -261,6 +504,7 @@ class JobManager(models.Manager["Job"]):
             lease=lease_td,
             worker_id=worker_id or default_worker_id(),
             synchronous_commit=None,
+            guarded=guarded,
         )
 
     # -- fenced outcomes ---------------------------------------------------------------
@@ -304,17 +548,25 @@ class JobManager(models.Manager["Job"]):
         error: str | BaseException | Failure | None = None,
         *,
         backoff: tuple[float, float] | None = None,
+        delay: timedelta | float | None = None,
         claimed_at: datetime | None = None,
     ) -> str | None:
         """Record a failed attempt: back to ``queued`` with backoff, or ``failed`` for good.
 
         ``fail(claimed_job, error=exc)``, or ``fail(job_id, attempts, error)``. ``error`` is a
         message, an exception (its class and traceback are kept) or a ``Failure``.
-        ``backoff`` is ``(base, cap)`` in seconds (default the ``PGJOBS`` settings). Returns
+        ``backoff`` is ``(base, cap)`` in seconds (default the ``PGJOBS`` settings);
+        ``delay`` (a timedelta or seconds) retries after exactly that long instead. Returns
         the new status, or ``None`` when the job is no longer ours.
         """
         claim = _fence(job, attempts, claimed_at)
         job_id = lifecycle.fence_of(claim)[0]
+        if delay is not None:
+            failure = Failure.of("" if error is None else error)
+            seconds = validation.seconds("delay", delay)
+            attempt = FailedAttempt(claim, failure, conf.backoff(), delay=seconds)
+            statuses = lifecycle.fail(self.connection(), [attempt], synchronous_commit=None)
+            return statuses.get(job_id)
         backoffs = {job_id: backoff} if backoff is not None else None
         return self.fail_many([(claim, "" if error is None else error)], backoffs).get(job_id)
 
@@ -343,6 +595,23 @@ class JobManager(models.Manager["Job"]):
             )
             attempts.append(FailedAttempt(claim, failure, delay))
         return lifecycle.fail(self.connection(), attempts, synchronous_commit=None)
+
+    def snooze(
+        self,
+        job: ClaimedJob | int,
+        delay: timedelta | float,
+        attempts: int | None = None,
+        *,
+        claimed_at: datetime | None = None,
+    ) -> bool:
+        """Put a claimed job off: ``queued`` again ``delay`` (a timedelta or seconds) later,
+        its attempt given back and its ``snoozes`` one higher. ``False``: the job is no longer
+        ours; nothing changed. ``snooze(claimed_job, 30)``, or ``snooze(job_id, 30, attempts)``.
+        """
+        seconds = validation.seconds("snooze delay", delay)
+        claim = _fence(job, attempts, claimed_at)
+        snoozed = lifecycle.snooze(self.connection(), [(claim, seconds)], synchronous_commit=None)
+        return lifecycle.fence_of(claim)[0] in snoozed
 
     def extend_lease(
         self,
@@ -398,16 +667,118 @@ class JobManager(models.Manager["Job"]):
             )
         return sorted(job_id for job_id, _queue in rows)
 
+    # -- queue control -------------------------------------------------------------------
+
+    def pause(self, queue: str) -> None:
+        """Pause ``queue``: no worker starts another of its jobs (each claim reads the pause
+        itself); running ones finish, and enqueue goes on. Undone by ``resume()``."""
+        name = validation.queue_name(queue)
+        sql.run(self.connection(), sql.PAUSE, {"queue": name})
+        logger.info("queue %s paused", name, extra={"action": "pause", "queue": name})
+
+    def resume(self, queue: str) -> None:
+        """Let workers claim ``queue``'s jobs again; a NOTIFY wakes them as it commits."""
+        name = validation.queue_name(queue)
+        sql.run(self.connection(), sql.RESUME, {"queue": name, "channel": conf.channel()})
+        logger.info("queue %s resumed", name, extra={"action": "resume", "queue": name})
+
+    def set_limits(
+        self,
+        queue: str,
+        *,
+        concurrency: int | None = None,
+        rate: tuple[int, timedelta | float] | None = None,
+    ) -> None:
+        """Set ``queue``'s limits across every worker, replacing the ones it had.
+
+        ``concurrency``: at most this many of its jobs ``running`` at once. ``rate``:
+        ``(count, period)``, at most ``count`` of its jobs started in any ``period`` (a
+        timedelta or seconds). ``None`` (the default) is no limit, so ``set_limits(queue)``
+        lifts both. A new limit applies from the next claim of each worker on.
+        """
+        name = validation.queue_name(queue)
+        limit = None if concurrency is None else validation.positive_int("concurrency", concurrency)
+        count, period = validation.rate(rate) or (None, None)
+        params = {
+            "queue": name,
+            "concurrency": limit,
+            "rate_count": count,
+            "rate_period": period,
+            "channel": conf.channel(),
+        }
+        sql.run(self.connection(), sql.SET_LIMITS, params)
+        logger.info(
+            "queue %s limits: concurrency %s, rate %s",
+            name,
+            limit or "unlimited",
+            f"{count} per {period}" if count else "unlimited",
+            extra={"action": "limits", "queue": name},
+        )
+
+    def cancel(self, job_ids: int | Iterable[int]) -> int:
+        """Cancel jobs that have not finished; return how many were cancelled.
+
+        ``job_ids`` is one id or an iterable of ids, of ``@job`` and django.tasks jobs alike.
+        A ``queued`` job ends ``cancelled`` at once and never runs. A ``running`` one ends
+        ``cancelled`` too: its worker's later complete or fail changes nothing (the fence),
+        and its next heartbeat sets ``current_job().cancelled`` so the function can return
+        early. Finished jobs (``done``, ``failed``, ``cancelled``) are left alone. A job
+        running in transaction mode holds its row locked: the cancel waits for that
+        transaction (holding no other job's row meanwhile), then finds the job finished (or,
+        if it rolled back, queued again, and cancels it).
+        """
+        ids = [job_ids] if isinstance(job_ids, int) and not isinstance(job_ids, bool) else job_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise InvalidJobOptions(f"Invalid job ids {job_ids!r}: pass a job id or ids.")
+        ids = list(ids)
+        bad = [
+            i
+            for i in ids
+            if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= MAX_BIGINT
+        ]
+        if bad:
+            shown = ", ".join(validation.show(i) for i in bad[:5]) + (", ..." if bad[5:] else "")
+            raise InvalidJobOptions(
+                f"Invalid job ids {shown}: cancel() takes job ids (positive integers), such as "
+                "job.id."
+            )
+        if not ids:
+            return 0
+        connection = self.connection()
+        wanted = sorted(set(ids))
+        rows = sql.run(connection, sql.CANCEL, {"ids": wanted})
+        # The jobs CANCEL skipped because a transaction held them: one at a time, waiting.
+        done = {row[0] for row in rows}
+        rest = [i for i in wanted if i not in done]
+        for (job_id,) in sql.run(connection, sql.UNFINISHED, {"ids": rest}) if rest else []:
+            rows += sql.run(connection, sql.CANCEL_WAITING, {"ids": [job_id]})
+        for job_id, task, queue, attempts, was in rows:
+            logger.info(
+                "cancel of job %s %s: %s, now cancelled",
+                job_id,
+                task,
+                was,
+                extra={
+                    "action": "cancel",
+                    "job_id": job_id,
+                    "task": task,
+                    "queue": queue,
+                    "attempts": attempts,
+                },
+            )
+        return len(rows)
+
     def reap(self, batch_size: int = REAP_BATCH) -> list[Reaped]:
         """Send jobs whose lease expired back to ``queued`` (``failed`` once out of attempts).
 
         Works in batches of ``batch_size`` until one comes back short; returns every row it
         changed as ``(id, status, attempts)``. Nothing is reaped in the first minute after
         the server started (``lifecycle.REAP_SETTLE``): workers that held jobs through an
-        outage write what they hold first.
+        outage write what they hold first. Each expired lease counts a worker crash; the
+        ``PGJOBS["MAX_CRASHES"]``-th in a row fails the job (``WorkerCrashed``).
         """
         validation.positive_int("batch_size", batch_size)
-        return lifecycle.reap(self.connection(), batch_size)
+        return lifecycle.reap(self.connection(), batch_size, max_crashes=conf.max_crashes())
 
     def prune(
         self,
@@ -419,11 +790,11 @@ class JobManager(models.Manager["Job"]):
     ) -> int:
         """Delete (or, with ``archive``, move to the archive table) finished jobs.
 
-        ``status`` is ``"done"``, ``"failed"``, ``"all"`` (both) or a list of those; queued and
-        running jobs are never touched. Age is measured from ``finished_at`` (or
-        ``created_at`` where no finish time was recorded) on the database clock. Each batch
-        of ``batch_size`` is its own short statement; ``progress`` is called with the running
-        total after each. Returns the number of jobs removed.
+        ``status`` is ``"done"``, ``"failed"``, ``"cancelled"``, ``"all"`` (the three) or a
+        list of those; queued and running jobs are never touched. Age is measured from
+        ``finished_at`` (or ``created_at`` where no finish time was recorded) on the database
+        clock. Each batch of ``batch_size`` is its own short statement; ``progress`` is
+        called with the running total after each. Returns the number of jobs removed.
         """
         statuses = (
             list(PRUNABLE)
@@ -433,8 +804,8 @@ class JobManager(models.Manager["Job"]):
         bad = [s for s in statuses if s not in PRUNABLE]
         if bad or not statuses:
             raise InvalidJobOptions(
-                f"Cannot prune status {bad or statuses!r}: use 'done', 'failed' or 'all'; "
-                "queued and running jobs are never pruned."
+                f"Cannot prune status {bad or statuses!r}: use 'done', 'failed', 'cancelled' or "
+                "'all'; queued and running jobs are never pruned."
             )
         if not isinstance(older_than, timedelta):
             raise InvalidJobOptions(

@@ -13,7 +13,14 @@ needs, each for a reason:
 - ``errors``: every failed attempt (exception class path and traceback);
 - ``worker_ids``: the worker that claimed each attempt;
 - ``outage_releases``: how many times the job was given back because the queue's own database
-  was away (such a release does not count an attempt; the worker caps it so nothing loops).
+  was away (such a release does not count an attempt; the worker caps it so nothing loops);
+- ``unique_key`` / ``unique_while``: the de-duplication key a job holds while it is waiting
+  (``queued``) or waiting or running (``active``); cleared when the job leaves that window, so
+  the partial unique index holds exactly the jobs that keep a second enqueue out;
+- ``snoozes``: how many times the job put itself off (``Snooze``), no attempt spent;
+- ``crashes``: attempts in a row that ended because the worker running them died (the
+  reaper counts them; ``PGJOBS["MAX_CRASHES"]`` of them fail the job);
+- ``timeout``: how long one attempt may run before it is failed with ``JobTimeout``.
 
 CHECK constraints keep a row written with plain SQL to what ``enqueue()`` accepts: a status of
 ``Status``, a priority of -100..100, a payload that is a JSON object (the function's keyword
@@ -33,6 +40,7 @@ from django.db import models
 from django.db.models import F, Func, Q, TextField, Value
 from django.db.models.lookups import Exact
 
+from django_pgjobs.fields import PgArray
 from django_pgjobs.managers import JobManager
 from django_pgjobs.validation import QUEUE_NAME
 
@@ -42,6 +50,18 @@ class Status(models.TextChoices):
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# The statuses a job never leaves (an operator's retry aside).
+FINISHED = (Status.DONE, Status.FAILED, Status.CANCELLED)
+
+
+class UniqueWhile(models.TextChoices):
+    """How long a job's ``unique_key`` keeps a second enqueue of that key out."""
+
+    QUEUED = "queued"
+    ACTIVE = "active"
 
 
 def _check(condition: Q, name: str) -> models.CheckConstraint:
@@ -74,8 +94,20 @@ class Job(models.Model):
     # A periodic job's schedule and the tick it serves (NULL for any other job).
     schedule = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL: not periodic
     scheduled_at = models.DateTimeField(null=True, blank=True)
+    unique_key = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL: holds no key
+    unique_while = models.TextField(  # noqa: DJ001 - NULL: not unique
+        choices=UniqueWhile.choices, null=True, blank=True
+    )
+    snoozes = models.IntegerField(default=0)
+    crashes = models.IntegerField(default=0)
+    timeout = models.DurationField(null=True, blank=True)
+    lock_key = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL: runs beside any
 
     objects: ClassVar[JobManager] = JobManager()
+
+    # Set by enqueue() on the job it returns: False when a job already holding its unique
+    # key was returned instead of a new one.
+    created: bool
 
     class Meta:
         db_table = "pgjobs_job"
@@ -101,6 +133,18 @@ class Job(models.Model):
             models.Index(
                 fields=["finished_at"], name="pgjobs_job_failed_idx", condition=Q(status="failed")
             ),
+            # The guarded claim's: ready jobs that carry a lock key, in the claim's order.
+            models.Index(
+                fields=["queue", "-priority", "run_at"],
+                name="pgjobs_job_keyed_idx",
+                condition=Q(status="queued", lock_key__isnull=False),
+            ),
+            # Whether a lock key is taken: the running jobs that carry one.
+            models.Index(
+                fields=["lock_key"],
+                name="pgjobs_job_lock_idx",
+                condition=Q(status="running", lock_key__isnull=False),
+            ),
         )
         constraints = (
             _check(Q(status__in=Status.values), "pgjobs_job_status_check"),
@@ -122,6 +166,14 @@ class Job(models.Model):
             _check(
                 ~Q(status=Status.QUEUED) | Q(attempts__lt=F("max_attempts")),
                 "pgjobs_job_queued_attempts_check",
+            ),
+            _check(Q(unique_while__in=UniqueWhile.values), "pgjobs_job_unique_while_check"),
+            # One job per key in its de-duplication window: the database, not a read before
+            # the write, keeps the second enqueue out (enqueue's ON CONFLICT infers it).
+            models.UniqueConstraint(
+                fields=["unique_key"],
+                condition=Q(unique_key__isnull=False, status__in=(Status.QUEUED, Status.RUNNING)),
+                name="pgjobs_job_unique_idx",
             ),
         )
 
@@ -171,6 +223,14 @@ class ArchivedJob(models.Model):
     outage_releases = models.IntegerField(default=0)
     schedule = models.TextField(null=True, blank=True)  # noqa: DJ001 - mirrors Job
     scheduled_at = models.DateTimeField(null=True, blank=True)
+    unique_key = models.TextField(null=True, blank=True)  # noqa: DJ001 - mirrors Job
+    unique_while = models.TextField(  # noqa: DJ001 - mirrors Job
+        choices=UniqueWhile.choices, null=True, blank=True
+    )
+    snoozes = models.IntegerField(default=0)
+    crashes = models.IntegerField(default=0)
+    timeout = models.DurationField(null=True, blank=True)
+    lock_key = models.TextField(null=True, blank=True)  # noqa: DJ001 - mirrors Job
     archived_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -206,3 +266,58 @@ class ScheduleState(models.Model):
 
     def __str__(self) -> str:
         return f"Schedule {self.name}"
+
+
+class QueueState(models.Model):
+    """An operator's steering of one queue (``pgjobs_queue``): paused, and its global limits.
+
+    A queue without a row is unpaused and unlimited. Written by ``Job.objects.pause()``,
+    ``resume()`` and ``set_limits()``; read by every claim (``sql.CLAIM`` skips a paused or
+    limited queue, ``sql.CLAIM_GUARDED`` enforces the limits). ``starts`` keeps the start
+    times the rate limit counts, the newest ``rate_count`` of them.
+    """
+
+    name = models.TextField(primary_key=True)
+    paused = models.BooleanField(default=False)
+    concurrency = models.IntegerField(null=True, blank=True)
+    rate_count = models.IntegerField(null=True, blank=True)
+    rate_period = models.DurationField(null=True, blank=True)
+    starts = PgArray("timestamptz", default=list, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "pgjobs_queue"
+        verbose_name = "queue"
+        verbose_name_plural = "queues"
+
+    def __str__(self) -> str:
+        return f"Queue {self.name}"
+
+
+class WorkerRecord(models.Model):
+    """One live worker (``pgjobs_worker``): written at its start, refreshed on its tick,
+    deleted on a clean exit, and cleared by the reaper once it stops heartbeating.
+
+    ``queues`` maps each queue to the worker's own limit for it (``null``: the shared
+    concurrency); ``tasks`` are the names it can run (``null``: it claims any task).
+    """
+
+    id = models.TextField(primary_key=True)
+    host = models.TextField()
+    pid = models.IntegerField()
+    mode = models.TextField()
+    queues = models.JSONField()
+    tasks = PgArray("text", null=True, blank=True)
+    version = models.TextField()
+    started_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField()
+    # When the reaper may clear the row: a few of the worker's ticks after its latest beat.
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "pgjobs_worker"
+        verbose_name = "worker"
+        verbose_name_plural = "workers"
+
+    def __str__(self) -> str:
+        return f"Worker {self.id}"

@@ -3,9 +3,10 @@
 The payload is the queue name, never the job. ``PGJOBS["NOTIFY"]`` picks how it is sent:
 
 - ``"auto"`` (the default). Outside ``atomic()`` the enqueue's own INSERT calls ``pg_notify``
-  (``sql.ENQUEUE_ONE`` / ``sql.ENQUEUE``): one statement, one commit, and PostgreSQL delivers
-  the notification only when that transaction commits (never on rollback, once per channel
-  and payload per transaction). A NOTIFY the server refuses then refuses the INSERT with it.
+  (``sql.ENQUEUE_ONE`` / ``sql.ENQUEUE``, and their ``_UNIQUE`` forms): one statement, one
+  commit, and PostgreSQL delivers the notification only when that transaction commits (never
+  on rollback, once per channel and payload per transaction). A NOTIFY the server refuses
+  then refuses the INSERT with it.
   Inside ``atomic()`` the enqueue registers an ``on_commit`` hook, once per queue per
   transaction, which hands the queue to this process's ``Notifier`` thread: the caller's
   commit does not take the database-wide lock that NOTIFYing transactions serialize on at

@@ -9,16 +9,24 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
 from django_pgjobs import validation
-from django_pgjobs.exceptions import UnknownTask
+from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
 
 if TYPE_CHECKING:
     from django_pgjobs.models import Job
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# A retry delay: (base, cap) seconds (base * 2^attempts, at most cap), or a callable given the
+# attempt number and the exception that returns the delay.
+Backoff: TypeAlias = "tuple[float, float] | Callable[[int, BaseException], timedelta]"
+# The key that de-duplicates a job, from its payload (None: this payload is not unique).
+UniqueKey: TypeAlias = "Callable[[dict[str, Any]], str | None]"
+ExceptionTypes: TypeAlias = "tuple[type[BaseException], ...]"
 
 
 class JobFunction(Generic[P, R]):
@@ -32,16 +40,35 @@ class JobFunction(Generic[P, R]):
         queue: str | None,
         max_attempts: int | None,
         priority: int,
-        backoff: tuple[float, float] | None = None,
+        backoff: Backoff | None = None,
         stores_result: bool = False,
+        backoff_jitter: bool = False,
+        retry_on: ExceptionTypes | None = None,
+        discard_on: ExceptionTypes = (),
+        timeout: timedelta | None = None,
+        unique_key: UniqueKey | None = None,
+        unique_while: str = "queued",
+        lock_key: UniqueKey | None = None,
     ) -> None:
         self.func = func
         self.name = name
         self.queue = queue
         self.max_attempts = max_attempts
         self.priority = priority
-        # (base, cap) seconds of the retry delay; None: the PGJOBS settings.
+        # The retry delay (see Backoff); None: the PGJOBS settings.
         self.backoff = backoff
+        # Whether each retry delay is spread at random (see docs/retries.md).
+        self.backoff_jitter = backoff_jitter
+        # Errors that are retried (None: all but discard_on), and errors that fail at once.
+        self.retry_on = retry_on
+        self.discard_on = discard_on
+        # How long one attempt may run (None: no limit), unless the enqueue says otherwise.
+        self.timeout = timeout
+        # The de-duplication key of a payload, and how long it keeps a second enqueue out.
+        self.unique_key = unique_key
+        self.unique_while = unique_while
+        # The lock key of a payload: at most one job holding a key runs at a time.
+        self.lock_key = lock_key
         # Whether the return value is recorded (django.tasks results); @job ignores it.
         self.stores_result = stores_result
         functools.update_wrapper(self, func)
@@ -54,6 +81,13 @@ class JobFunction(Generic[P, R]):
         from django_pgjobs.models import Job
 
         return Job.objects.enqueue(self, kwargs)
+
+    def gives_up_on(self, exc: BaseException) -> bool:
+        """Whether ``exc`` fails the job at once: a ``discard_on`` error, or, when
+        ``retry_on`` is given, any error it does not name."""
+        return isinstance(exc, self.discard_on) or (
+            self.retry_on is not None and not isinstance(exc, self.retry_on)
+        )
 
     def __repr__(self) -> str:
         return f"<JobFunction {self.name}>"
@@ -73,6 +107,14 @@ def job(
     queue: str | None = None,
     max_attempts: int | None = None,
     priority: int = 0,
+    retry_on: type[BaseException] | ExceptionTypes | None = None,
+    discard_on: type[BaseException] | ExceptionTypes = (),
+    backoff: Backoff | None = None,
+    backoff_jitter: bool = False,
+    timeout: timedelta | float | None = None,
+    unique_key: UniqueKey | None = None,
+    unique_while: str = "queued",
+    lock_key: UniqueKey | None = None,
 ) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
 
 
@@ -84,12 +126,29 @@ def job(
     queue: str | None = None,
     max_attempts: int | None = None,
     priority: int = 0,
+    retry_on: type[BaseException] | ExceptionTypes | None = None,
+    discard_on: type[BaseException] | ExceptionTypes = (),
+    backoff: Backoff | None = None,
+    backoff_jitter: bool = False,
+    timeout: timedelta | float | None = None,
+    unique_key: UniqueKey | None = None,
+    unique_while: str = "queued",
+    lock_key: UniqueKey | None = None,
 ) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
     """Register a function as a job, under ``module.qualname`` unless ``name`` is given.
 
     ``queue``, ``max_attempts`` and ``priority`` are the defaults used when the job is
     enqueued without them (``queue`` falls back to ``PGJOBS["QUEUE"]``, ``max_attempts`` to
     ``PGJOBS["MAX_ATTEMPTS"]``). The function is called with its payload as keyword arguments.
+
+    The retry policy: ``discard_on`` errors fail the job at once; when ``retry_on`` is given,
+    every other error fails it at once too. ``backoff`` is ``(base, cap)`` seconds (base *
+    2^attempts, at most cap) or a callable ``(attempt, exception) -> timedelta``;
+    ``backoff_jitter`` spreads each delay at random. ``timeout`` (a timedelta or seconds) is
+    how long one attempt may run. ``unique_key`` is a callable ``payload -> str | None``: while
+    a job with that key is waiting (``unique_while="queued"``) or waiting or running
+    (``"active"``), enqueueing the key again returns the existing job. ``lock_key`` is a
+    callable ``payload -> str | None``: at most one job with a given key runs at a time.
     """
     if name is not None:
         validation.task_name(name)
@@ -98,6 +157,18 @@ def job(
     if max_attempts is not None:
         validation.max_attempts(max_attempts)
     validation.priority(priority)
+    retry_types = None if retry_on is None else validation.exception_types(retry_on, "retry_on")
+    discard_types = () if discard_on == () else validation.exception_types(discard_on, "discard_on")
+    delay = None if backoff is None else validation.retry_backoff(backoff)
+    validation.choice("backoff_jitter", backoff_jitter, (True, False))
+    limit = validation.timeout(timeout)
+    for option, source in (("unique_key", unique_key), ("lock_key", lock_key)):
+        if source is not None and not callable(source):
+            raise InvalidJobOptions(
+                f"Invalid {option} {validation.show(source)} for @job: use a callable that "
+                "takes the payload and returns the key (a str), or None for no key."
+            )
+    validation.unique_while(unique_while)
 
     def add(fn: Callable[P, R]) -> JobFunction[P, R]:
         task_name = name or f"{fn.__module__}.{fn.__qualname__}"
@@ -113,7 +184,19 @@ def job(
                 "wrap it with asgiref.sync.async_to_sync."
             )
         wrapper = JobFunction(
-            fn, name=task_name, queue=queue, max_attempts=max_attempts, priority=priority
+            fn,
+            name=task_name,
+            queue=queue,
+            max_attempts=max_attempts,
+            priority=priority,
+            backoff=delay,
+            backoff_jitter=backoff_jitter,
+            retry_on=retry_types,
+            discard_on=discard_types,
+            timeout=limit,
+            unique_key=unique_key,
+            unique_while=unique_while,
+            lock_key=lock_key,
         )
         register(wrapper)
         return wrapper

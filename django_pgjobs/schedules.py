@@ -433,6 +433,7 @@ def enqueue_tick(connection: sql.Connection, schedule: Schedule, tick: datetime)
         "queue": schedule.queue or func.queue or conf.default_queue(),
         "priority": func.priority if schedule.priority is None else schedule.priority,
         "max_attempts": func.max_attempts or conf.max_attempts(),
+        "timeout": func.timeout,
         "payload": validation.payload(schedule.payload()),
         "notify_channel": conf.channel(),
     }

@@ -11,7 +11,7 @@ many, so the manager's single-job methods and the worker's batched writes share 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import psycopg
@@ -36,37 +36,107 @@ _NOTIFY_HERE: LiteralString = """
 WHERE %(notify_channel)s::text IS NULL
    OR (SELECT pg_notify(%(notify_channel)s, %(queue)s)) IS NOT NULL"""
 
+# The columns every enqueue writes; a job without a key writes NULL for both unique ones, a
+# job without a lock key NULL for lock_key.
+_ENQUEUE_INTO: LiteralString = """
+INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at, timeout,
+                        lock_key, unique_key, unique_while)"""
+
+# A unique key another job holds inserts nothing and returns no row: the partial unique index
+# decides, never a read before the write, so it holds across processes and transactions (a
+# holder not yet committed makes the INSERT wait for its outcome). The column and predicate
+# name the index so PostgreSQL can infer it. The index holds only queued and running rows,
+# so a finished row never keeps a key (not even one a worker from before unique keys
+# completed without giving it up). Only the *_UNIQUE statements carry it: every
+# row of an INSERT with ON CONFLICT takes the conflict-checked path, which costs a keyless
+# row WAL and time for nothing.
+_SKIP_HELD_KEY: LiteralString = """
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND status IN ('queued', 'running')
+DO NOTHING"""
+
 # One job: enqueue() is the hot path. A VALUES row costs the server less than a SELECT with
 # the InitPlan above, so its NOTIFY rides in the RETURNING list instead (one row: one call;
-# a NULL channel is folded away). The times come back as fixed-width ISO 8601 text in UTC
-# (whatever the DateStyle or TimeZone): cheaper to read than timestamptz through Django's
-# loader, and exact to the microsecond.
-ENQUEUE_ONE: LiteralString = """
-INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
+# a NULL channel is folded away; no row, a key held elsewhere: no NOTIFY). The times come
+# back as fixed-width ISO 8601 text in UTC (whatever the DateStyle or TimeZone): cheaper to
+# read than timestamptz through Django's loader, and exact to the microsecond.
+_ENQUEUE_ONE_ROW: LiteralString = """
 VALUES (%(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s,
-        coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0')))
+        coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0')),
+        %(timeout)s::interval, %(lock_key)s, %(unique_key)s, %(unique_while)s)"""
+_ENQUEUE_ONE_RETURNING: LiteralString = """
 RETURNING id,
   to_char(run_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'),
   to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'),
   CASE WHEN %(notify_channel)s::text IS NOT NULL THEN pg_notify(%(notify_channel)s, queue) END
 """
 
-# One INSERT for any number of jobs. The payloads arrive as one JSON array (one parameter,
-# parsed once by the server) rather than a jsonb[] whose every element the client escapes;
-# ids come back in the payloads' order.
-ENQUEUE: LiteralString = (
-    """
-INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
+# One job without a unique key.
+ENQUEUE_ONE: LiteralString = _ENQUEUE_INTO + _ENQUEUE_ONE_ROW + _ENQUEUE_ONE_RETURNING
+
+# One job with a unique key: no row when another job holds it.
+ENQUEUE_ONE_UNIQUE: LiteralString = (
+    _ENQUEUE_INTO + _ENQUEUE_ONE_ROW + _SKIP_HELD_KEY + _ENQUEUE_ONE_RETURNING
+)
+
+# The columns of one row of a bulk INSERT, for the payload p at position n, with its lock key
+# (NULL, an array of none, for a call without them); the unique key's two follow.
+_ENQUEUE_MANY_ROW: LiteralString = """
 SELECT %(queue)s, %(task)s, p, %(priority)s, %(max_attempts)s,
-       coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0'))
-FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS t(p, n)
-"""
+       coalesce(%(run_at)s::timestamptz, now() + coalesce(%(delay)s::interval, interval '0')),
+       %(timeout)s::interval, (%(lock_keys)s::text[])[n]"""
+
+# One INSERT for any number of jobs without keys. The payloads arrive as one JSON array (one
+# parameter, parsed once by the server) rather than a jsonb[] whose every element the client
+# escapes; ids come back in the payloads' order.
+ENQUEUE: LiteralString = (
+    _ENQUEUE_INTO
+    + _ENQUEUE_MANY_ROW
+    + """, NULL, NULL
+FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS t(p, n)"""
     + _NOTIFY_HERE
     + """
 ORDER BY n
 RETURNING id
 """
 )
+
+# One INSERT for jobs of which some have a unique key (NULL: none), zipped with the payloads
+# by ROWS FROM, in the order sent. The caller sends each key once and the keyed rows sorted by
+# key, so two calls with overlapping keys take them in one order and cannot deadlock; a row is
+# skipped only for a key another job holds, and keyed rows are matched back by the key they
+# return, keyless ones by their order. Its NOTIFY is an InitPlan over the rows inserted, so
+# a call whose every key is held sends none.
+ENQUEUE_UNIQUE: LiteralString = (
+    """
+WITH inserted AS ("""
+    + _ENQUEUE_INTO
+    + _ENQUEUE_MANY_ROW
+    + """, k, CASE WHEN k IS NOT NULL THEN %(unique_while)s END
+FROM ROWS FROM (jsonb_array_elements(%(payloads)s::jsonb), unnest(%(unique_keys)s::text[]))
+     WITH ORDINALITY AS t(p, k, n)
+ORDER BY n"""
+    + _SKIP_HELD_KEY
+    + """
+RETURNING id, unique_key
+)
+SELECT id, unique_key FROM inserted
+WHERE %(notify_channel)s::text IS NULL
+   OR (SELECT pg_notify(%(notify_channel)s, %(queue)s) FROM inserted LIMIT 1) IS NOT NULL
+"""
+)
+
+# The job that holds this unique key, its whole row (loaded as a Job): what enqueue() returns
+# when its key was taken. No row: the holder left its window in between.
+UNIQUE_HOLDER: LiteralString = """
+SELECT * FROM pgjobs_job
+WHERE unique_key = %(unique_key)s AND status IN ('queued', 'running')
+"""
+
+# The ids of the jobs that hold these unique keys: all enqueue_many() returns for them.
+UNIQUE_HOLDER_IDS: LiteralString = """
+SELECT unique_key, id FROM pgjobs_job
+WHERE unique_key = ANY(%(unique_keys)s::text[]) AND status IN ('queued', 'running')
+"""
 
 # A hint, never the job: listeners re-run the claim. Sent after the enqueue's commit, once per
 # queue, in one statement for every queue that has news. Its own transaction need not wait
@@ -86,33 +156,144 @@ _COMMIT: LiteralString = """
                          coalesce(%(synchronous_commit)s::text,
                                   current_setting('synchronous_commit')), true)) IS NOT NULL"""
 
-# Lock the chosen rows in the CTE (SKIP LOCKED: never wait behind another worker), then
-# update through it. Never `WHERE id = (SELECT ... LIMIT 1)`: without the lock two workers
-# take the same row. The CTE form, not `IN (SELECT ... FOR UPDATE)`, which some plans let
-# lock more rows than the LIMIT (PostgreSQL bug #15715). The ORDER BY matches the partial
-# index pgjobs_job_ready_idx, so the plan is Limit -> LockRows -> Index Scan.
-CLAIM: LiteralString = (
-    """
-WITH next AS (
-  SELECT id FROM pgjobs_job
-  WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now()
-  ORDER BY priority DESC, run_at
-  LIMIT %(limit)s
-  FOR UPDATE SKIP LOCKED
-)
-UPDATE pgjobs_job j
+# What every claim sets on the rows it takes (the claim time, attempted_at, between the two
+# parts), and returns of them. A job unique only while queued gives its key up as it starts,
+# so the next enqueue of the key goes in.
+_CLAIM_SET: LiteralString = """
 SET status       = 'running',
     attempts     = j.attempts + 1,
     locked_until = now() + %(lease)s::interval,
     started_at   = coalesce(j.started_at, now()),
-    attempted_at = now(),
-    worker_ids   = j.worker_ids || to_jsonb(%(worker_id)s::text)
+    attempted_at = """
+_CLAIM_SET_REST: LiteralString = """,
+    worker_ids   = j.worker_ids || to_jsonb(%(worker_id)s::text),
+    unique_key   = CASE WHEN j.unique_while = 'active' THEN j.unique_key END
 FROM next
 WHERE j.id = next.id"""
-    + _COMMIT
-    + """
+_CLAIM_RETURNING: LiteralString = """
 RETURNING j.id, j.queue, j.task, j.payload::text, j.attempts, j.max_attempts, j.attempted_at,
-          j.outage_releases, j.schedule, j.scheduled_at
+          j.outage_releases, j.schedule, j.scheduled_at, j.crashes,
+          extract(epoch FROM j.timeout)::float8"""
+
+# Which ready jobs a claim may take besides the queue and the time: a busy worker passes
+# `suspects` false (a job whose last attempt ended with its worker dead runs only on an idle
+# one, alone); `tasks` is the worker's registry (NULL: any task), so during a rolling deploy
+# an old worker leaves a new task's jobs queued for the new workers. The names are read in an
+# InitPlan: the planner, which plans each claim afresh, then does not estimate the
+# selectivity of every name against the column's statistics each time.
+_CLAIMABLE: LiteralString = """
+    AND (crashes = 0 OR %(suspects)s::bool)
+    AND task = ANY(coalesce((SELECT %(tasks)s::text[]), ARRAY[task]))"""
+
+# The hot path: one statement per batch. Lock the chosen rows in the CTE (SKIP LOCKED: never
+# wait behind another worker), then update through it. Never `WHERE id = (SELECT ... LIMIT
+# 1)`: without the lock two workers take the same row. The CTE form, not `IN (SELECT ... FOR
+# UPDATE)`, which some plans let lock more rows than the LIMIT (PostgreSQL bug #15715). The
+# ORDER BY matches the partial index pgjobs_job_ready_idx, so the plan is Limit -> LockRows
+# -> Index Scan; the filters above are filters on that scan. It takes no job with a lock key
+# and nothing from a queue that is paused or has a limit: the uncorrelated NOT EXISTS is an
+# InitPlan (one primary-key probe of pgjobs_queue per statement, a One-Time Filter), and
+# those jobs are CLAIM_GUARDED's.
+CLAIM: LiteralString = (
+    """
+WITH next AS (
+  SELECT id FROM pgjobs_job
+  WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL"""
+    + _CLAIMABLE
+    + """
+    AND NOT EXISTS (SELECT FROM pgjobs_queue q
+                    WHERE q.name = %(queue)s
+                      AND (q.paused OR q.concurrency IS NOT NULL OR q.rate_count IS NOT NULL))
+  ORDER BY priority DESC, run_at
+  LIMIT %(limit)s
+  FOR UPDATE SKIP LOCKED
+)
+UPDATE pgjobs_job j"""
+    + _CLAIM_SET
+    + "now()"
+    + _CLAIM_SET_REST
+    + _COMMIT
+    + _CLAIM_RETURNING
+)
+
+# The guarded claims of the whole fleet take turns: the claim of a queue with a limit, or of
+# jobs with lock keys, runs in a READ COMMITTED transaction that first takes this lock (held
+# until that transaction commits, a few milliseconds), then claims in a statement of its own,
+# whose snapshot therefore sees every guarded claim committed before it. Counting in the
+# claim statement itself would not do: its snapshot is taken before it could wait for the
+# lock. The number is the lock's name, arbitrary and fixed. The transaction's lock_timeout
+# (set first, in the FROM) bounds every wait in it, this lock's and the queue row's that the
+# claim stamps (an operator's open transaction may hold it): the claim then gives up, takes
+# nothing, and the worker claims again later, instead of every guarded claim of the fleet
+# queueing behind one stuck session.
+GUARD: LiteralString = """
+SELECT pg_advisory_xact_lock(5047114946260779307)
+FROM (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) AS bounded"""
+
+# The claim of a queue with a limit (or with jobs that carry a lock key), after GUARD. `room`
+# is how many it may start: its batch, less the queue's running jobs under `concurrency`,
+# less its starts within the last `rate_period` under `rate_count` (LEAST ignores the NULL of
+# a limit not set); none while paused. Ready jobs come in two parts, each on its own partial
+# index: those without a key, and, of those with one, the first of each key that no running
+# job holds (DISTINCT ON). They are computed once (MATERIALIZED: the LIMIT below must not be
+# re-run per row), then locked by id, their status and time checked again (a row cancelled
+# since this snapshot is skipped). Its starts are stamped with
+# statement_timestamp(), which moves forward from one guarded claim to the next, as the
+# claims do; the queue keeps the newest rate_count of them within the window.
+CLAIM_GUARDED: LiteralString = (
+    """
+WITH q AS (
+  SELECT paused, concurrency, rate_count, rate_period, starts
+  FROM pgjobs_queue WHERE name = %(queue)s
+), room AS (
+  SELECT greatest(least(
+    %(limit)s,
+    (SELECT q.concurrency - (SELECT count(*) FROM pgjobs_job
+                             WHERE queue = %(queue)s AND status = 'running') FROM q),
+    (SELECT q.rate_count - (SELECT count(*) FROM unnest(q.starts) AS s
+                            WHERE s > statement_timestamp() - q.rate_period) FROM q)
+  ), 0) AS n
+  WHERE NOT coalesce((SELECT paused FROM q), false)
+), ready AS MATERIALIZED (
+  (SELECT id, priority, run_at FROM pgjobs_job
+   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL"""
+    + _CLAIMABLE
+    + """
+   ORDER BY priority DESC, run_at
+   LIMIT %(limit)s)
+  UNION ALL
+  (SELECT DISTINCT ON (lock_key) id, priority, run_at FROM pgjobs_job j
+   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NOT NULL"""
+    + _CLAIMABLE
+    + """
+     AND NOT EXISTS (SELECT FROM pgjobs_job r
+                     WHERE r.lock_key = j.lock_key AND r.status = 'running')
+   ORDER BY lock_key, priority DESC, run_at)
+), next AS (
+  SELECT id FROM pgjobs_job
+  WHERE id IN (SELECT id FROM ready ORDER BY priority DESC, run_at
+               LIMIT coalesce((SELECT n FROM room), 0))
+    AND status = 'queued' AND run_at <= now()
+  FOR UPDATE SKIP LOCKED
+), claimed AS (
+  UPDATE pgjobs_job j"""
+    + _CLAIM_SET
+    + "statement_timestamp()"
+    + _CLAIM_SET_REST
+    + _COMMIT
+    + _CLAIM_RETURNING
+    + """
+), stamped AS (
+  UPDATE pgjobs_queue
+  SET starts = ARRAY(
+    SELECT s FROM unnest(starts || array_fill(statement_timestamp(),
+                                              ARRAY[(SELECT count(*) FROM claimed)::int])) AS s
+    WHERE s > statement_timestamp() - rate_period
+    ORDER BY s DESC
+    LIMIT rate_count)
+  WHERE name = %(queue)s AND rate_count IS NOT NULL AND EXISTS (SELECT FROM claimed)
+)
+SELECT * FROM claimed
 """
 )
 
@@ -131,11 +312,12 @@ WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
 
 # The worker's most frequent write. The claims arrive as one JSON array of objects (id,
 # attempts, claimed_at, result): one text parameter the server parses once, instead of four
-# arrays that psycopg dumps element by element in Python.
+# arrays that psycopg dumps element by element in Python. A finished job holds no unique key.
 COMPLETE: LiteralString = (
     """
 UPDATE pgjobs_job j
-SET status = 'done', locked_until = NULL, finished_at = now(), result = mine.result
+SET status = 'done', locked_until = NULL, finished_at = now(), result = mine.result,
+    unique_key = NULL, crashes = 0
 FROM jsonb_to_recordset(%(claims)s::jsonb)
      AS mine(id bigint, attempts int, claimed_at timestamptz, result jsonb)"""
     + _FENCE
@@ -149,26 +331,61 @@ RETURNING j.id
 # up, or at once when the failure is `final` (a payload that can never run). The exponent is
 # capped so a huge max_attempts cannot overflow the interval (the checks keep base * 2^30
 # within range). Every failed attempt is kept in `errors` (class path and traceback:
-# django.tasks' TaskError), the latest in last_error.
+# django.tasks' TaskError), the latest in last_error. An attempt that raised ends a run of
+# crashes; a job failed for good gives its unique key up. A job's own backoff callable
+# gives its `delay` (seconds) instead of the formula. With `jitter` the delay is drawn from
+# [75 %, 100 %) of itself here, where the formula's value is known (it depends on the row's
+# attempts): random() per row, never beyond the cap.
 FAIL: LiteralString = (
     """
 UPDATE pgjobs_job j
 SET status       = CASE WHEN j.attempts >= j.max_attempts OR mine.final
                         THEN 'failed' ELSE 'queued' END,
-    run_at       = now() + least(mine.cap * interval '1 second',
-                                 mine.base * interval '1 second' * 2 ^ least(j.attempts, 30)),
+    run_at       = now() + coalesce(mine.delay * interval '1 second',
+                                    least(mine.cap * interval '1 second',
+                                          mine.base * interval '1 second'
+                                          * 2 ^ least(j.attempts, 30)))
+                         * CASE WHEN mine.jitter THEN 0.75 + 0.25 * random() ELSE 1 END,
     locked_until = NULL,
     last_error   = mine.error,
     errors       = j.errors || jsonb_build_array(jsonb_build_object(
                      'exception_class_path', mine.error_class, 'traceback', mine.error)),
-    finished_at  = CASE WHEN j.attempts >= j.max_attempts OR mine.final THEN now() END
+    finished_at  = CASE WHEN j.attempts >= j.max_attempts OR mine.final THEN now() END,
+    unique_key   = CASE WHEN j.attempts >= j.max_attempts OR mine.final THEN NULL
+                        ELSE j.unique_key END,
+    crashes      = 0
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
             %(errors)s::text[], %(error_classes)s::text[], %(bases)s::float8[],
-            %(caps)s::float8[], %(finals)s::bool[])
-     AS mine(id, attempts, claimed_at, error, error_class, base, cap, final)"""
+            %(caps)s::float8[], %(finals)s::bool[], %(delays)s::float8[], %(jitters)s::bool[])
+     AS mine(id, attempts, claimed_at, error, error_class, base, cap, final, delay, jitter)"""
     + _FENCE
     + """
 RETURNING j.id, j.status, j.run_at
+"""
+)
+
+# A job that said "not now" (raise Snooze): queued again `delay` seconds later, the claim's
+# attempt given back as by a release (so snoozing never fails a job), counted in `snoozes`.
+# The run did happen: started_at and worker_ids keep it. A key given up at the claim
+# (unique while queued) stays given up: another job may hold it by now. The delay counts from
+# this statement (statement_timestamp()), not from its transaction's start: in transaction
+# mode that is the claim, and a job that ran longer than its snooze would be due at once.
+SNOOZE: LiteralString = (
+    """
+UPDATE pgjobs_job j
+SET status       = 'queued',
+    run_at       = statement_timestamp() + mine.delay * interval '1 second',
+    attempts     = j.attempts - 1,
+    snoozes      = j.snoozes + 1,
+    locked_until = NULL,
+    attempted_at = NULL,
+    crashes      = 0
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
+            %(delays)s::float8[])
+     AS mine(id, attempts, claimed_at, delay)"""
+    + _FENCE
+    + """
+RETURNING j.id
 """
 )
 
@@ -185,13 +402,15 @@ RETURNING j.id
 """
 )
 
-# A worker that must exit at once (a second Ctrl-C) ends the leases of the jobs it holds, so
-# the next reap requeues them instead of waiting out the lease. Each keeps its attempt: the
-# job may have run part way, as after a crash.
+# A worker that exits with jobs still running (a second Ctrl-C, a shutdown past its timeout,
+# too many stuck executors) ends their leases, so the next reap requeues them instead of
+# waiting out the lease. Each keeps its attempt: the job may have run part way, as after a
+# crash. It was no crash, though: the lease ends at the claim time itself, a value no claim or
+# heartbeat ever sets (leases are >= 1 s), which tells the reap not to count one. Idempotent.
 EXPIRE_LEASE: LiteralString = (
     """
 UPDATE pgjobs_job j
-SET locked_until = now()
+SET locked_until = j.attempted_at
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
      AS mine(id, attempts, claimed_at)"""
     + _FENCE
@@ -222,6 +441,51 @@ RETURNING j.id
 """
 )
 
+# An operator's cancel: a waiting or running job ends `cancelled` and gives its unique key up.
+# The UPDATE re-checks the status after taking each row's lock, so a cancel and a completion
+# serialize and exactly one of them changes the row; a running job's worker is fenced out
+# from then on. CANCEL takes only rows it can lock at once (SKIP LOCKED): it never waits while
+# holding other rows, so the worker's batched writes of those rows never wait behind it.
+# CANCEL_WAITING then takes the rows that were locked, one id per statement, waiting for the
+# transaction that holds each (a worker's write of a few milliseconds, or a transaction-mode
+# job's whole run).
+_CANCEL_ROWS: LiteralString = """
+WITH doomed AS (
+  SELECT id, status FROM pgjobs_job
+  WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('queued', 'running')
+  ORDER BY id
+  FOR UPDATE"""
+_CANCEL_SET: LiteralString = """
+)
+UPDATE pgjobs_job j
+SET status = 'cancelled', locked_until = NULL, finished_at = now(), unique_key = NULL
+FROM doomed
+WHERE j.id = doomed.id AND j.status IN ('queued', 'running')
+RETURNING j.id, j.task, j.queue, j.attempts, doomed.status
+"""
+CANCEL: LiteralString = _CANCEL_ROWS + " SKIP LOCKED" + _CANCEL_SET
+CANCEL_WAITING: LiteralString = _CANCEL_ROWS + _CANCEL_SET
+
+# The ids among these of jobs still waiting or running: after CANCEL, the ones it skipped
+# because another transaction held them.
+UNFINISHED: LiteralString = """
+SELECT id FROM pgjobs_job
+WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('queued', 'running')
+ORDER BY id
+"""
+
+# Which of a worker's refused claims were cancelled (rather than reaped): read only after a
+# fenced write changed nothing, so the normal path never sends it. Matched on the claim (id,
+# attempts, claim time), so a cancel of a later claim of the job is not taken for ours.
+CANCELLED_AMONG: LiteralString = """
+SELECT j.id
+FROM pgjobs_job j
+JOIN unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
+     AS mine(id, attempts, claimed_at)
+  ON j.id = mine.id AND j.status = 'cancelled' AND j.attempts = mine.attempts
+     AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
+"""
+
 # Expired leases back to queued (or failed once the attempts are used up: a job that kills
 # every worker must not loop forever). The UPDATE re-checks status and lease itself, so a
 # job completed since the CTE read it is never sent back; rows are taken in id order with
@@ -230,9 +494,18 @@ RETURNING j.id
 # the server started: when it comes back from an outage longer than the lease, every worker
 # that held jobs through it must first write what it holds (its writes retry with a backoff
 # shorter than the settle), or jobs that ran to the end would be failed as expired.
+# An expired lease is a worker that died: it is counted in `crashes` (an attempt that ends
+# otherwise resets it), and `max_crashes` of them in a row fail the job as WorkerCrashed
+# (quarantine), so a job that kills its worker does not take one down per attempt left. A
+# lease its worker ended on purpose (EXPIRE_LEASE: locked_until = attempted_at) is no crash.
 REAP: LiteralString = """
 WITH expired AS (
-  SELECT id FROM pgjobs_job
+  SELECT id, locked_until IS DISTINCT FROM attempted_at AS crashed,
+         locked_until IS DISTINCT FROM attempted_at AND crashes + 1 >= %(max_crashes)s
+           AS quarantined,
+         format('the worker died while running this job %%s times in a row (out of memory? '
+                'os._exit()? a segfault in a C extension?)', crashes + 1) AS crash_error
+  FROM pgjobs_job
   WHERE status = 'running' AND locked_until < now()
     AND pg_postmaster_start_time() < now() - %(settle)s::interval
   ORDER BY id
@@ -240,23 +513,32 @@ WITH expired AS (
   FOR UPDATE SKIP LOCKED
 )
 UPDATE pgjobs_job j
-SET status       = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
+SET status       = CASE WHEN j.attempts >= j.max_attempts OR expired.quarantined
+                        THEN 'failed' ELSE 'queued' END,
     locked_until = NULL,
-    last_error   = coalesce(j.last_error, 'lease expired'),
-    errors       = j.errors || jsonb_build_array(jsonb_build_object(
-                     'exception_class_path', 'django_pgjobs.exceptions.LeaseExpired',
-                     'traceback', 'lease expired')),
-    finished_at  = CASE WHEN j.attempts >= j.max_attempts THEN now() END
+    crashes      = j.crashes + expired.crashed::int,
+    last_error   = CASE WHEN expired.quarantined THEN expired.crash_error
+                        ELSE coalesce(j.last_error, 'lease expired') END,
+    errors       = j.errors || jsonb_build_array(CASE WHEN expired.quarantined
+                     THEN jsonb_build_object(
+                       'exception_class_path', 'django_pgjobs.exceptions.WorkerCrashed',
+                       'traceback', expired.crash_error)
+                     ELSE jsonb_build_object(
+                       'exception_class_path', 'django_pgjobs.exceptions.LeaseExpired',
+                       'traceback', 'lease expired') END),
+    finished_at  = CASE WHEN j.attempts >= j.max_attempts OR expired.quarantined THEN now() END,
+    unique_key   = CASE WHEN j.attempts >= j.max_attempts OR expired.quarantined
+                        THEN NULL ELSE j.unique_key END
 FROM expired
 WHERE j.id = expired.id AND j.status = 'running' AND j.locked_until < now()
 RETURNING j.id, j.status, j.attempts
 """
 
-# One batch of finished jobs, oldest first. Only 'done' and 'failed' can match.
+# One batch of finished jobs, oldest first. Only 'done', 'failed' and 'cancelled' can match.
 PRUNE: LiteralString = """
 WITH doomed AS (
   SELECT id FROM pgjobs_job
-  WHERE status = ANY(%(statuses)s::text[]) AND status IN ('done', 'failed')
+  WHERE status = ANY(%(statuses)s::text[]) AND status IN ('done', 'failed', 'cancelled')
     AND coalesce(finished_at, created_at) < now() - %(older_than)s::interval
   ORDER BY id
   LIMIT %(limit)s
@@ -272,7 +554,7 @@ WHERE j.id = doomed.id
 PRUNE_ARCHIVE: LiteralString = """
 WITH doomed AS (
   SELECT id FROM pgjobs_job
-  WHERE status = ANY(%(statuses)s::text[]) AND status IN ('done', 'failed')
+  WHERE status = ANY(%(statuses)s::text[]) AND status IN ('done', 'failed', 'cancelled')
     AND coalesce(finished_at, created_at) < now() - %(older_than)s::interval
   ORDER BY id
   LIMIT %(limit)s
@@ -284,12 +566,15 @@ WITH doomed AS (
   RETURNING j.id, j.queue, j.task, j.payload, j.status, j.priority, j.run_at, j.attempts,
             j.max_attempts, j.locked_until, j.last_error, j.created_at, j.started_at,
             j.finished_at, j.attempted_at, j.result, j.errors, j.worker_ids, j.outage_releases,
-            j.schedule, j.scheduled_at
+            j.schedule, j.scheduled_at, j.unique_key, j.unique_while, j.snoozes, j.crashes,
+            j.timeout, j.lock_key
 )
 INSERT INTO pgjobs_job_archive (id, queue, task, payload, status, priority, run_at, attempts,
                                 max_attempts, locked_until, last_error, created_at,
                                 started_at, finished_at, attempted_at, result, errors,
-                                worker_ids, outage_releases, schedule, scheduled_at)
+                                worker_ids, outage_releases, schedule, scheduled_at,
+                                unique_key, unique_while, snoozes, crashes, timeout,
+                                lock_key)
 SELECT * FROM moved
 """
 
@@ -319,10 +604,10 @@ WITH tick AS (
   RETURNING s.last_job_id
 )
 INSERT INTO pgjobs_job (id, queue, task, payload, priority, max_attempts, run_at, schedule,
-                        scheduled_at)
+                        scheduled_at, timeout)
 OVERRIDING SYSTEM VALUE
 SELECT tick.last_job_id, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
-       %(max_attempts)s, now(), %(name)s, %(tick)s
+       %(max_attempts)s, now(), %(name)s, %(tick)s, %(timeout)s::interval
 FROM tick
 WHERE tick.last_job_id IS NOT NULL
 RETURNING id,
@@ -400,6 +685,19 @@ def count(
         return int(cursor.rowcount)
 
 
+class TextArray(str):
+    """A ``text[]`` parameter written out once as PostgreSQL's array literal: a worker sends
+    its registry's names with every claim, and psycopg would adapt a list of them element by
+    element each time, in the producer's thread. Sent as text and cast (``::text[]``)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, values: Iterable[str]) -> TextArray:
+        quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+        return cls("{" + ",".join(quoted) + "}")
+
+
 def listen(channel: str) -> Composed:
     """``LISTEN "channel"``: a channel is an identifier, so it is quoted, not bound."""
     return SQL("LISTEN {}").format(Identifier(channel))
@@ -408,11 +706,12 @@ def listen(channel: str) -> Composed:
 # An operator's retry of failed jobs: queued again at once with a fresh set of attempts (and
 # of releases after outages).
 # Only rows still failed change (a job retried twice, or running again, is left alone); the
-# history (last_error, errors, worker_ids) is kept.
+# history (last_error, errors, worker_ids) is kept. It comes back holding no unique key: taking
+# one back could meet another job holding it now (the index would refuse the whole retry).
 RETRY: LiteralString = """
 UPDATE pgjobs_job
-SET status = 'queued', run_at = now(), attempts = 0, outage_releases = 0, locked_until = NULL,
-    finished_at = NULL
+SET status = 'queued', run_at = now(), attempts = 0, outage_releases = 0, crashes = 0,
+    locked_until = NULL, finished_at = NULL, unique_key = NULL
 WHERE id = ANY(%(ids)s::bigint[]) AND status = 'failed'
 RETURNING id, queue
 """
@@ -472,12 +771,100 @@ ORDER BY finished_at DESC
 LIMIT %(limit)s
 """
 
-# When the earliest deferred job (or retry) of these queues comes due: they send no NOTIFY
-# then, so an idle worker sleeps until this. Rows already due are someone else's (locked).
-NEXT_DUE: LiteralString = """
-SELECT extract(epoch FROM min(run_at) - now())
-FROM pgjobs_job
-WHERE queue = ANY(%(queues)s::text[]) AND status = 'queued' AND run_at > now()
+# A worker's look at its queues after a claim that came back short (instead of waiting for
+# a NOTIFY that may never come): when the earliest deferred job comes due (deferred jobs and
+# retries send none then); which queues claim through CLAIM_GUARDED (a limit set, or ready
+# jobs with a lock key: each an index probe); and when the earliest start within a full rate
+# window leaves it, so that the queue's next claim can succeed.
+OUTLOOK: LiteralString = """
+SELECT
+  (SELECT extract(epoch FROM min(run_at) - now())::float8 FROM pgjobs_job
+   WHERE queue = ANY(%(queues)s::text[]) AND status = 'queued' AND run_at > now()) AS due,
+  ARRAY(SELECT name FROM pgjobs_queue
+        WHERE name = ANY(%(queues)s::text[])
+          AND (concurrency IS NOT NULL OR rate_count IS NOT NULL)
+        UNION
+        SELECT q FROM unnest(%(queues)s::text[]) AS q
+        WHERE EXISTS (SELECT FROM pgjobs_job
+                      WHERE queue = q AND status = 'queued' AND lock_key IS NOT NULL)) AS guarded,
+  (SELECT extract(epoch FROM min(w.first + q.rate_period - statement_timestamp()))::float8
+   FROM pgjobs_queue q,
+        LATERAL (SELECT min(s) AS first, count(*) AS n FROM unnest(q.starts) AS s
+                 WHERE s > statement_timestamp() - q.rate_period) AS w
+   WHERE q.name = ANY(%(queues)s::text[]) AND w.n >= q.rate_count) AS rate_free
+"""
+
+# -- queue control: an operator's pause and limits, one row per queue in pgjobs_queue. Each
+# write that may let workers claim more sends the NOTIFY a new job would (it is delivered on
+# commit), so waiting workers claim at once rather than at their next poll.
+
+PAUSE: LiteralString = """
+INSERT INTO pgjobs_queue AS q (name, paused) VALUES (%(queue)s, true)
+ON CONFLICT (name) DO UPDATE SET paused = true, updated_at = now()
+"""
+
+RESUME: LiteralString = """
+UPDATE pgjobs_queue SET paused = false, updated_at = now()
+WHERE name = %(queue)s
+RETURNING pg_notify(%(channel)s, name)
+"""
+
+# A limit left out (NULL) is no limit. A queue that loses its rate limit forgets its starts.
+SET_LIMITS: LiteralString = """
+INSERT INTO pgjobs_queue AS q (name, concurrency, rate_count, rate_period)
+VALUES (%(queue)s, %(concurrency)s, %(rate_count)s, %(rate_period)s::interval)
+ON CONFLICT (name) DO UPDATE
+SET concurrency = EXCLUDED.concurrency, rate_count = EXCLUDED.rate_count,
+    rate_period = EXCLUDED.rate_period,
+    starts = CASE WHEN EXCLUDED.rate_count IS NULL THEN '{}' ELSE q.starts END,
+    updated_at = now()
+RETURNING pg_notify(%(channel)s, name)
+"""
+
+# -- the registry of live workers (pgjobs_worker). A worker writes its row at its start and on
+# its ticks (an upsert: a row the reaper cleared while the worker was cut off comes back, and
+# a new process that reuses an old one's host:pid, such as a container restarted in place,
+# overwrites its row), and deletes it on a clean exit; the reaper deletes the rows past their
+# expiry.
+
+WORKER_BEAT: LiteralString = """
+INSERT INTO pgjobs_worker AS w (id, host, pid, mode, queues, tasks, version, started_at,
+                                heartbeat_at, expires_at)
+VALUES (%(worker_id)s, %(host)s, %(pid)s, %(mode)s, %(queues)s::jsonb, %(tasks)s::text[],
+        %(version)s, %(started_at)s, now(), now() + %(ttl)s::interval)
+ON CONFLICT (id) DO UPDATE
+SET host = EXCLUDED.host, pid = EXCLUDED.pid, mode = EXCLUDED.mode, queues = EXCLUDED.queues,
+    tasks = EXCLUDED.tasks, version = EXCLUDED.version, started_at = EXCLUDED.started_at,
+    heartbeat_at = now(), expires_at = EXCLUDED.expires_at
+"""
+
+WORKER_GONE: LiteralString = "DELETE FROM pgjobs_worker WHERE id = %(worker_id)s"
+
+FORGET_WORKERS: LiteralString = """
+DELETE FROM pgjobs_worker WHERE expires_at < now() RETURNING id
+"""
+
+LIVE_WORKERS: LiteralString = """
+SELECT id, host, pid, mode, queues, tasks, version, started_at, heartbeat_at
+FROM pgjobs_worker
+WHERE expires_at >= now()
+ORDER BY started_at, id
+"""
+
+# Ready jobs that no live worker can run, per queue and task: no live worker serves the queue
+# (`served` false), or none that does has the task registered. A worker that claims any task
+# (tasks NULL) can run them all.
+UNRUNNABLE: LiteralString = """
+SELECT j.queue, j.task, count(*) AS ready,
+       EXISTS (SELECT FROM pgjobs_worker w
+               WHERE w.expires_at >= now() AND w.queues ? j.queue) AS served
+FROM pgjobs_job j
+WHERE j.status = 'queued' AND j.run_at <= now()
+  AND NOT EXISTS (SELECT FROM pgjobs_worker w
+                  WHERE w.expires_at >= now() AND w.queues ? j.queue
+                    AND (w.tasks IS NULL OR j.task = ANY(w.tasks)))
+GROUP BY j.queue, j.task
+ORDER BY j.queue, j.task
 """
 
 # The planner's row estimate (refreshed by ANALYZE/autovacuum): counting millions of done
@@ -510,6 +897,25 @@ LIMIT %(limit)s
 FAILURES_SINCE: LiteralString = """
 SELECT count(*) FROM pgjobs_job
 WHERE status = 'failed' AND finished_at >= now() - %(window)s::interval
+"""
+
+# Jobs failed within the window because their workers kept dying (quarantined by the reap),
+# told apart from other failures by the class of their latest error. `total` counts them all,
+# the LIMIT aside (a window is computed before the LIMIT applies).
+QUARANTINED: LiteralString = """
+SELECT id, task, queue, attempts, crashes, finished_at, count(*) OVER () AS total
+FROM pgjobs_job
+WHERE status = 'failed' AND finished_at >= now() - %(window)s::interval
+  AND errors -> -1 ->> 'exception_class_path' = 'django_pgjobs.exceptions.WorkerCrashed'
+ORDER BY finished_at DESC
+LIMIT %(limit)s
+"""
+
+# Live jobs whose latest attempt ended with its worker dead: each runs alone when next claimed.
+# Two equalities, not IN: a BitmapOr over the partial indexes of queued and running jobs.
+SUSPECTS: LiteralString = """
+SELECT count(*) FROM pgjobs_job
+WHERE (status = 'queued' OR status = 'running') AND crashes > 0
 """
 
 # The table's vacuum statistics and the numbers autovacuum decides with: it vacuums once

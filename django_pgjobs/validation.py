@@ -46,7 +46,15 @@ _NEGATIVE_INT_LIMIT = -_INT_LIMIT
 # PostgreSQL truncates identifiers (the NOTIFY channel) to 63 bytes and refuses longer ones.
 MAX_CHANNEL_BYTES = 63
 
+# The longest unique key, in characters. A btree entry must fit in a third of a page (2,704
+# bytes with 8 kB pages) or the INSERT fails; 500 characters are at most 2,000 bytes of UTF-8,
+# so a key that passes here always fits in pgjobs_job_unique_idx.
+MAX_UNIQUE_KEY = 500
+
 MODES = ("lease", "transaction")
+# How long a unique job keeps a second enqueue of its key out: while queued, or while queued
+# or running.
+UNIQUE_WHILE = ("queued", "active")
 NOTIFY_MODES = ("auto", "background", "inline")
 # PostgreSQL's values of synchronous_commit (None: leave the session's setting alone).
 SYNCHRONOUS_COMMIT = (None, "off", "local", "on", "remote_write", "remote_apply")
@@ -174,6 +182,69 @@ def backoff(base: object, cap: object, name: str = "backoff") -> tuple[float, fl
     return base_s, cap_s
 
 
+def timeout(value: object, name: str = "timeout") -> timedelta | None:
+    """How long one attempt may run: None (no limit), or seconds / a timedelta above 0."""
+    return None if value is None else duration(name, value, strict=True)
+
+
+def exception_types(value: object, name: str) -> tuple[type[BaseException], ...]:
+    """An exception class or a tuple of them (``retry_on``, ``discard_on``)."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    if not items or not all(
+        isinstance(item, type) and issubclass(item, BaseException) for item in items
+    ):
+        raise InvalidJobOptions(
+            f"Invalid {name} {show(value)}: use an exception class or a tuple of them."
+        )
+    return tuple(items)
+
+
+def retry_backoff(value: object, name: str = "backoff") -> Any:
+    """``(base, cap)`` seconds, or a callable ``(attempt, exception) -> timedelta``."""
+    if callable(value):
+        return value
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise InvalidJobOptions(
+            f"Invalid {name} {show(value)}: use (base, cap) in seconds, or a callable "
+            "(attempt, exception) -> timedelta."
+        )
+    return backoff(value[0], value[1], name)
+
+
+def rate(value: object, name: str = "rate") -> tuple[int, timedelta] | None:
+    """A rate limit: ``(count, period)``, at most ``count`` starts in any ``period`` (a
+    timedelta or seconds above 0); ``None`` for none."""
+    if value is None:
+        return None
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise InvalidJobOptions(
+            f"Invalid {name} {show(value)}: use (count, period), such as "
+            "(50, timedelta(seconds=1)) for at most 50 starts in any second, or None."
+        )
+    return (
+        whole_number(f"{name} count", value[0]),
+        positive_duration(f"{name} period", value[1]),
+    )
+
+
+def unique_while(value: object, name: str = "unique_while") -> str:
+    return str(choice(name, value, UNIQUE_WHILE))
+
+
+def unique_key(value: object, name: str = "unique_key") -> str:
+    """A de-duplication key: 1 to 500 characters of text PostgreSQL can store."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_UNIQUE_KEY:
+        shown = f"of {len(value)} characters" if isinstance(value, str) and value else show(value)
+        raise InvalidJobOptions(
+            f"Invalid {name} {shown}: use a string of 1 to {MAX_UNIQUE_KEY} characters, "
+            "such as 'invoice:42' (or None for no key)."
+        )
+    problem = _text_problem(value)
+    if problem:
+        raise InvalidJobOptions(f"Invalid {name} {value!r}: it {problem}.")
+    return value
+
+
 def _text_problem(value: str) -> str | None:
     """What PostgreSQL's text and jsonb cannot store in ``value`` (NUL, lone surrogates)."""
     if "\x00" in value:
@@ -197,6 +268,40 @@ def queue_name(queue: object, name: str = "queue name") -> str:
             f"Invalid {name} {show(queue)}: use 1-100 letters, digits, '_', '-', '.' or ':'."
         )
     return queue
+
+
+def queue_limits(value: object) -> dict[str, int | None]:
+    """A worker's queues, each with its own slot limit or ``None`` (the shared concurrency):
+    from names, ``"NAME=N"`` strings, or a mapping of names to N or ``None``."""
+    items: list[tuple[object, object]] = []
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        for entry in value:
+            if isinstance(entry, str) and "=" in entry:
+                name, _, number = entry.partition("=")
+                if not number.strip().isdigit():
+                    raise InvalidJobOptions(
+                        f"Invalid queue {entry!r}: use NAME or NAME=N, where N is a whole number "
+                        "of 1 or more (the most of that queue's jobs this worker runs at once)."
+                    )
+                items.append((name, int(number)))
+            else:
+                items.append((entry, None))
+    else:
+        raise InvalidJobOptions(
+            f"Invalid queues {show(value)}: use a list of queue names (NAME or NAME=N), or a "
+            "mapping of names to their limit in this worker."
+        )
+    limits: dict[str, int | None] = {}
+    for given, limit in items:
+        queue = queue_name(given)
+        if queue in limits:
+            raise InvalidJobOptions(f"Queue {queue!r} is given twice: give each queue once.")
+        limits[queue] = None if limit is None else positive_int(f"limit of queue {queue}", limit)
+    if not limits:
+        raise InvalidJobOptions("No queues given: name at least one queue.")
+    return limits
 
 
 def task_name(value: object, name: str = "task name") -> str:
@@ -308,7 +413,12 @@ SETTINGS: dict[str, Callable[[object], Any]] = {
         value, _setting("WORKER_SYNCHRONOUS_COMMIT")
     ),
     "PREPARE": lambda value: choice(_setting("PREPARE"), value, (True, False)),
+    "CLAIM_REGISTERED_ONLY": lambda value: choice(
+        _setting("CLAIM_REGISTERED_ONLY"), value, (True, False)
+    ),
     "SHUTDOWN_TIMEOUT": _seconds("SHUTDOWN_TIMEOUT", 0),
+    "MAX_CRASHES": _whole("MAX_CRASHES"),
+    "MAX_STUCK_EXECUTORS": _whole("MAX_STUCK_EXECUTORS"),
     "IMPORTS": lambda value: imports(value, _setting("IMPORTS")),
 }
 

@@ -1,5 +1,6 @@
 """The django-pgjobs demo: the naive claim's double-claim bug, its fix, a real site draining
-jobs, and a periodic job ticking under two workers.
+jobs, a periodic job ticking under two workers, and job control (unique keys, cancel, snooze,
+timeouts, the quarantine of a job that kills its worker).
 
 Run it with ``make demo`` (which starts a throwaway PostgreSQL unless ``DATABASE_URL`` is set),
 or directly::
@@ -544,6 +545,312 @@ def site_run(demo_url: str) -> SiteResult:
     return result
 
 
+# -- job control -------------------------------------------------------------------------
+
+CONTROL_QUEUE = "control"
+CRASH_QUEUE = "crashy"
+BYSTANDERS = 12  # jobs queued beside the one that kills its worker
+MAX_RESTARTS = 10  # worker restarts the quarantine demo allows before it calls it stuck
+
+
+@dataclass
+class ControlResult:
+    problems: list[str]
+    deaths: int
+
+
+def job_row(demo_url: str, job_id: int) -> dict[str, Any]:
+    with psycopg.connect(demo_url, autocommit=True) as conn:
+        cursor = conn.execute(
+            "SELECT id, task, status, attempts, snoozes, crashes, last_error FROM pgjobs_job "
+            "WHERE id = %s",
+            [job_id],
+        )
+        names = [column.name for column in cursor.description or []]
+        row = cursor.fetchone()
+    if row is None:
+        raise DemoFailure(f"Job {job_id} is gone from the table.")
+    return dict(zip(names, row, strict=True))
+
+
+def wait_for(demo_url: str, job_id: int, statuses: tuple[str, ...], seconds: float = 60) -> str:
+    """Wait (on the table) until the job reaches one of ``statuses``; return the one it has."""
+    deadline = time.monotonic() + seconds
+    while (status := job_row(demo_url, job_id)["status"]) not in statuses:
+        if time.monotonic() > deadline:
+            raise DemoFailure(f"Job {job_id} was still {status} after {seconds:.0f} s.")
+        time.sleep(0.1)
+    return status
+
+
+def show_jobs(demo_url: str, ids: Sequence[int]) -> None:
+    rows = [job_row(demo_url, job_id) for job_id in ids]
+    print()
+    print(
+        psql_table(
+            ["id", "task", "status", "attempts", "snoozes", "crashes", "last error"],
+            [
+                (
+                    r["id"],
+                    r["task"],
+                    r["status"],
+                    r["attempts"],
+                    r["snoozes"],
+                    r["crashes"],
+                    (r["last_error"] or "").strip().splitlines()[-1:][0][:60]
+                    if r["last_error"]
+                    else "",
+                )
+                for r in rows
+            ],
+        )
+    )
+    print()
+
+
+def worker_command(*args: str) -> list[str]:
+    return [sys.executable, "manage.py", "runjobs", "--no-schedule", *args]
+
+
+def burst(env: dict[str, str], *args: str) -> int:
+    """Run ``runjobs --burst`` once, quietly; return its exit status."""
+    return subprocess.run(
+        worker_command("--burst", *args),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    ).returncode
+
+
+def control_run(demo_url: str) -> ControlResult:
+    import logging
+
+    from django_pgjobs.models import Job
+
+    # The manager logs each cancel at INFO; the tables below say the same.
+    logging.getLogger("django_pgjobs").setLevel(logging.WARNING)
+    reset_jobs(demo_url)
+    problems: list[str] = []
+    env = {**os.environ, "DATABASE_URL": demo_url, "PYTHONUNBUFFERED": "1"}
+    env["PGJOBS_LOG_LEVEL"] = "WARNING"
+
+    say("Unique jobs: the same key enqueued three times while the first is still waiting.")
+    first, *again = (
+        Job.objects.enqueue(
+            "testproject.testjobs.noop", {"invoice": 42}, queue=CRASH_QUEUE, unique_key="invoice:42"
+        )
+        for _ in range(3)
+    )
+    for job in (first, *again):
+        print(f"  enqueue(noop, unique_key='invoice:42') -> job {job.id}, created={job.created}")
+    if not first.created or any(j.created or j.id != first.id for j in again):
+        problems.append("a unique key was enqueued twice")
+    Job.objects.cancel([first.id])
+
+    print()
+    say(
+        "Cancel, snooze and timeout under a real worker (`runjobs --queue control --lease 3`, "
+        "so its heartbeat comes every second):"
+    )
+    doomed = Job.objects.enqueue("demo.until_stopped", queue=CONTROL_QUEUE, delay=3600)
+    print(f"  job {doomed.id} queued for later; cancel([{doomed.id}]) -> ", end="")
+    print(Job.objects.cancel([doomed.id]))
+    running = Job.objects.enqueue("demo.until_stopped", queue=CONTROL_QUEUE)
+    snoozer = Job.objects.enqueue("demo.rate_limited", queue=CONTROL_QUEUE)
+    hung = Job.objects.enqueue("demo.hangs", queue=CONTROL_QUEUE)
+    worker = subprocess.Popen(
+        worker_command("--queue", CONTROL_QUEUE, "--lease", "3", "--concurrency", "3"),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(demo_url, running.id, ("running",))
+        print(f"  job {running.id} is running; cancel([{running.id}]) -> ", end="")
+        print(Job.objects.cancel([running.id]))
+        wait_for(demo_url, snoozer.id, ("done", "failed"))
+        wait_for(demo_url, hung.id, ("failed",))
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    show_jobs(demo_url, [doomed.id, running.id, snoozer.id, hung.id])
+    expected = {
+        doomed.id: ("cancelled", 0),
+        running.id: ("cancelled", 1),
+        snoozer.id: ("done", 1),
+        hung.id: ("failed", 1),
+    }
+    for job_id, (status, attempts) in expected.items():
+        row = job_row(demo_url, job_id)
+        if (row["status"], row["attempts"]) != (status, attempts):
+            problems.append(
+                f"job {job_id} ({row['task']}) ended {row['status']} after {row['attempts']} "
+                f"attempts, expected {status} after {attempts}"
+            )
+    if job_row(demo_url, snoozer.id)["snoozes"] != 1:
+        problems.append("the rate-limited job did not snooze exactly once")
+    if "JobTimeout" not in (job_row(demo_url, hung.id)["last_error"] or ""):
+        problems.append("the hung job's error is not a JobTimeout")
+
+    say(
+        f"Quarantine: one job that takes its worker down (os._exit) among {BYSTANDERS} "
+        "ordinary ones, max_attempts=25. A supervisor loop restarts `runjobs --burst --lease 2` "
+        "each time a worker dies:"
+    )
+    killer = Job.objects.enqueue("demo.kills_its_worker", queue=CRASH_QUEUE)
+    bystanders = Job.objects.enqueue_many(
+        "testproject.testjobs.noop", [{"n": n} for n in range(BYSTANDERS)], queue=CRASH_QUEUE
+    )
+    deaths = 0
+    for _ in range(MAX_RESTARTS):
+        if job_row(demo_url, killer.id)["status"] == "failed":
+            break
+        code = burst(env, "--queue", CRASH_QUEUE, "--lease", "2", "--concurrency", "4")
+        if code != 0:
+            deaths += 1
+            print(f"  worker died (exit status {code}); restarting it")
+        # The dead worker's leases run out before the next one can reap them.
+        time.sleep(2.5)
+    drained = burst(env, "--queue", CRASH_QUEUE, "--lease", "2")
+    show_jobs(demo_url, [killer.id])
+    with psycopg.connect(demo_url, autocommit=True) as conn:
+        done = conn.execute(
+            "SELECT count(*) FROM pgjobs_job WHERE id = ANY(%s) AND status = 'done'",
+            [list(bystanders)],
+        ).fetchone()
+    done_count = done[0] if done else 0
+    print(f"  the {BYSTANDERS} jobs queued beside it: {done_count} done")
+    killer_row = job_row(demo_url, killer.id)
+    if killer_row["status"] != "failed" or killer_row["crashes"] != 2 or drained != 0:
+        problems.append(
+            f"the job that kills its worker ended {killer_row['status']} with "
+            f"{killer_row['crashes']} crashes (expected failed after 2)"
+        )
+    if done_count != BYSTANDERS:
+        problems.append(f"{BYSTANDERS - done_count} jobs queued beside the killer did not finish")
+    return ControlResult(problems, deaths)
+
+
+# -- queues and limits -------------------------------------------------------------------
+
+STEERED_QUEUE = "steered"
+KEYED_QUEUE = "keyed"
+
+
+def most_running(demo_url: str, queue: str, until: Callable[[], bool]) -> int:
+    """Watch ``queue``'s running count until ``until()``; return the largest seen."""
+    most = 0
+    with psycopg.connect(demo_url, autocommit=True) as conn:
+        while not until():
+            row = conn.execute(
+                "SELECT count(*) FROM pgjobs_job WHERE queue = %s AND status = 'running'", [queue]
+            ).fetchone()
+            most = max(most, row[0] if row else 0)
+            time.sleep(0.005)
+    return most
+
+
+def queues_run(demo_url: str) -> list[str]:
+    import logging
+
+    from django_pgjobs import sql
+    from django_pgjobs.models import Job
+
+    logging.getLogger("django_pgjobs").setLevel(logging.WARNING)
+    reset_jobs(demo_url)
+    problems: list[str] = []
+    env = {**os.environ, "DATABASE_URL": demo_url, "PGJOBS_LOG_LEVEL": "WARNING"}
+
+    ids = Job.objects.enqueue_many(
+        "testproject.testjobs.sleep", [{"seconds": 0.05}] * 24, queue=STEERED_QUEUE
+    )
+    Job.objects.pause(STEERED_QUEUE)
+    burst(env, "--queue", STEERED_QUEUE)
+    paused = Job.objects.filter(id__in=ids, status="queued").count()
+    print(
+        f"  pause('{STEERED_QUEUE}'), then `runjobs --burst`: {paused} of {len(ids)} still queued"
+    )
+    if paused != len(ids):
+        problems.append("a paused queue's job ran")
+
+    Job.objects.resume(STEERED_QUEUE)
+    Job.objects.set_limits(STEERED_QUEUE, concurrency=2)
+    print(
+        f"  resume('{STEERED_QUEUE}'); set_limits('{STEERED_QUEUE}', concurrency=2); "
+        "two workers of --concurrency 4 each:"
+    )
+    workers = [
+        subprocess.Popen(
+            worker_command("--queue", STEERED_QUEUE, "--concurrency", "4", "--poll-interval", "1"),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(2)
+    ]
+    try:
+        most = most_running(
+            demo_url,
+            STEERED_QUEUE,
+            lambda: Job.objects.filter(id__in=ids, status="done").count() == len(ids),
+        )
+        with psycopg.connect(demo_url, autocommit=True) as conn:
+            # (The workers killed in section 4 are listed until their rows expire.)
+            live = [row for row in conn.execute(sql.LIVE_WORKERS) if STEERED_QUEUE in row[4]]
+        print(f"  most '{STEERED_QUEUE}' jobs running at once: {most} (the limit is 2)")
+        print(f"  live workers of '{STEERED_QUEUE}' in pgjobs_worker while they ran: {len(live)}")
+        for row in live:
+            print(f"    {row[0]} on {row[1]}, pid {row[2]}, {row[3]} mode, queues {row[4]}")
+        if most > 2 or len(live) != 2:
+            problems.append(f"{most} limited jobs ran at once, {len(live)} live workers")
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            worker.wait(timeout=60)
+
+    keyed = Job.objects.enqueue_many(
+        "testproject.testjobs.sleep",
+        [{"seconds": 0.02, "n": n} for n in range(30)],
+        queue=KEYED_QUEUE,
+        lock_key=lambda payload: f"customer:{payload['n'] % 3}",
+    )
+    unknown = Job.objects.enqueue("testproject.testjobs.noop", queue=KEYED_QUEUE)
+    with psycopg.connect(demo_url, autocommit=True) as conn:
+        # As if enqueued by newer code, whose task this worker has not registered.
+        conn.execute(
+            "UPDATE pgjobs_job SET task = 'newcode.send_invoice' WHERE id = %s", [unknown.id]
+        )
+    burst(env, "--queue", KEYED_QUEUE, "--concurrency", "6")
+    with psycopg.connect(demo_url, autocommit=True) as conn:
+        overlaps = conn.execute(
+            "SELECT count(*) FROM pgjobs_job a JOIN pgjobs_job b ON a.lock_key = b.lock_key "
+            "AND a.id < b.id WHERE a.id = ANY(%(ids)s) AND b.id = ANY(%(ids)s) "
+            "AND a.attempted_at < b.finished_at AND b.attempted_at < a.finished_at",
+            {"ids": list(keyed)},
+        ).fetchone()
+        left = conn.execute("SELECT status FROM pgjobs_job WHERE id = %s", [unknown.id]).fetchone()
+    done = Job.objects.filter(id__in=keyed, status="done").count()
+    print(
+        f"  30 jobs over 3 lock keys, one worker of --concurrency 6: {done} done, "
+        f"{overlaps[0] if overlaps else '?'} pairs of one key overlapping"
+    )
+    print(f"  a job of a task this worker does not know: left {left[0] if left else '?'}")
+    if done != len(keyed) or not overlaps or overlaps[0] != 0:
+        problems.append("jobs of one lock key overlapped, or did not all finish")
+    if not left or left[0] != "queued":
+        problems.append("a job of an unregistered task was claimed")
+    return problems
+
+
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -619,6 +926,14 @@ def main() -> int:
     if len(ticks) < PERIODIC_TICKS or doubled:
         problems.append(f"periodic ticks {ticks!r}: expected one job per tick")
 
+    section("4. Job control: unique keys, cancel, snooze, timeout, quarantine")
+    control = control_run(demo_url)
+    problems.extend(control.problems)
+
+    section("5. Queues and limits: pause, a global limit, lock keys, registered tasks only")
+    queue_problems = queues_run(demo_url)
+    problems.extend(queue_problems)
+
     total = time.perf_counter() - total_started
     section("Summary")
     print(
@@ -639,14 +954,19 @@ def main() -> int:
         f"  periodic         : {len(ticks)} ticks under 2 workers, "
         f"{sum(row[1] for row in ticks)} jobs, {len(doubled)} ticks enqueued twice"
     )
+    print(
+        f"  job control      : {'all checks held' if not control.problems else 'see above'}; "
+        f"the killer job took {control.deaths} workers down before it was failed"
+    )
+    print(f"  queues and limits: {'all checks held' if not queue_problems else 'see above'}")
     print(f"  demo database    : {masked(demo_url)} (kept, unless on a throwaway server)")
     print(f"  total time       : {total:.1f} s")
     if problems:
         raise DemoFailure("The demo went wrong: " + "; ".join(problems) + ".")
     print()
     print(
-        "OK: no job was claimed twice, none was lost, every order got its confirmation, and "
-        "each tick of the schedule became one job."
+        "OK: no job was claimed twice, none was lost, every order got its confirmation, "
+        "each tick of the schedule became one job, and every job-control and queue check held."
     )
     return 0
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psycopg
 from django.db import connection, transaction
 
-from django_pgjobs import current_job, job
+from django_pgjobs import Snooze, current_job, job
 
 
 @job
@@ -79,3 +80,41 @@ def query_then_connect_elsewhere() -> None:
 
 
 drop_own_connection_in_atomic.backoff = query_then_connect_elsewhere.backoff = (0.0, 0.0)
+
+
+# -- job control (the demo's section 4) ------------------------------------------------------
+
+
+@job(name="demo.until_stopped")
+def until_stopped(seconds: float = 120.0) -> str:
+    """Works in small steps until told to stop (cancelled, lease lost or timed out)."""
+    deadline = time.monotonic() + seconds
+    ctx = current_job()
+    while time.monotonic() < deadline:
+        if ctx is not None and ctx.should_stop:
+            return "cancelled" if ctx.cancelled else "stopped"
+        time.sleep(0.05)
+    return "ran to the end"
+
+
+@job(name="demo.rate_limited")
+def rate_limited() -> None:
+    """Puts itself off once ("the upstream API says: try again in 1 s"), then runs."""
+    from django_pgjobs.models import Job
+
+    ctx = current_job()
+    assert ctx is not None
+    if Job.objects.filter(id=ctx.id, snoozes=0).exists():
+        raise Snooze(1)
+
+
+@job(name="demo.hangs", max_attempts=1, timeout=1)
+def hangs(seconds: float = 4.0) -> None:
+    """Ignores every request to stop and runs past its 1 s timeout."""
+    time.sleep(seconds)
+
+
+@job(name="demo.kills_its_worker", max_attempts=25)
+def kills_its_worker() -> None:
+    """Takes its whole worker process down, as the OOM killer or a segfault would."""
+    os._exit(1)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any, TypeVar
 
 import psycopg
@@ -244,3 +245,25 @@ def nested(depth: int) -> list[Any]:
         inner.append([])
         inner = inner[0]
     return outer
+
+
+def worker_record(
+    worker_id: str,
+    queues: dict[str, int | None],
+    tasks: list[str] | None,
+    ttl: timedelta = timedelta(minutes=5),
+    host: str = "web-1",
+) -> dict[str, Any]:
+    """The parameters of ``sql.WORKER_BEAT`` for a worker's registry row, as a worker writes
+    it on its tick; a negative ``ttl`` is a row already expired."""
+    return {
+        "worker_id": worker_id,
+        "host": host,
+        "pid": 4242,
+        "mode": "lease",
+        "queues": json.dumps(queues),
+        "tasks": tasks,
+        "version": "9.9.9",
+        "started_at": datetime.now(dt_timezone.utc),
+        "ttl": ttl,
+    }

@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from django_pgjobs import sql
 from django_pgjobs.admin import CHART_HEIGHT, CHART_TOP, STATUS_COLOURS
-from django_pgjobs.models import Status
+from django_pgjobs.models import Job, Status
 from tests.helpers import (
     DbThread,
     db_now,
@@ -61,8 +61,11 @@ NOT_EDITABLE = (
     "finished_at",
     "worker_ids",
     "outage_releases",
+    "crashes",
     "schedule",
     "scheduled_at",
+    "unique_key",
+    "unique_while",
     "payload_pretty",
     "result_pretty",
     "error_full",
@@ -880,6 +883,8 @@ class CheapQueryTests(TransactionTestCase):
             "FAILED_BY_QUEUE": (sql.FAILED_BY_QUEUE, {}, "pgjobs_job_failed_idx"),
             "THROUGHPUT": (sql.THROUGHPUT, {"minutes": 60}, "pgjobs_job_finished_idx"),
             "RECENT_FAILURES": (sql.RECENT_FAILURES, {"limit": 10}, "pgjobs_job_failed_idx"),
+            # jobsdoctor's count: a BitmapOr over the queued and the running partial indexes.
+            "SUSPECTS": (sql.SUSPECTS, {}, "pgjobs_job_lease_idx"),
         }
         for name, (statement, params, index) in expected.items():
             assert index in assert_no_table_scan(statement, params), name
@@ -921,3 +926,159 @@ class CheapQueryTests(TransactionTestCase):
         # The check sees counts where there are some: a filtered list counts its matches.
         filtered = self.pages_queries(JOBS, {"status__exact": "failed"})
         assert counts(filtered) and not bare_counts(filtered)
+
+
+# -- cancel ---------------------------------------------------------------------------------
+
+
+def cancel_url(job_id: int) -> str:
+    return reverse("admin:django_pgjobs_job_cancel", args=[job_id])
+
+
+class CancelTests(TestCase):
+    """The list's "Cancel selected jobs" and the job page's Cancel: both confirm first, both
+    need the change permission on jobs, both act through Job.objects.cancel()."""
+
+    def setUp(self) -> None:
+        self.queued = make_job()
+        self.running = make_job(status="running", attempts=1, locked_until=timedelta(minutes=5))
+        self.done = make_job(status="done", attempts=1, finished_at=timedelta(0))
+
+    def act(self, client: Client, ids: list[int], **extra: str) -> Any:
+        data = {"action": "cancel_selected", "_selected_action": [str(i) for i in ids]}
+        return client.post(JOBS, {**data, "index": "0", **extra}, follow=True)
+
+    def statuses(self) -> list[str]:
+        return [job_row(i)["status"] for i in (self.queued, self.running, self.done)]
+
+    def test_the_action_asks_first_then_cancels_only_the_unfinished_jobs(self) -> None:
+        client = client_for(User.objects.create_superuser("root", password="pw"))
+        chosen = [self.queued, self.running, self.done]
+        before = [job_row(i) for i in chosen]
+
+        confirm = self.act(client, chosen)
+        page = confirm.content.decode()
+        assert confirm.status_code == 200 and "Are you sure" in page
+        listing = text(re.search(r'<ul id="pgjobs-cancel-list">(.*?)</ul>', page, re.S)[1])  # type: ignore[index]
+        assert listing == (
+            f"Job {self.queued}: {NOOP} on default, queued "
+            f"Job {self.running}: {NOOP} on default, running"
+        )
+        # The form posts the same selection back, confirmed.
+        for job_id in chosen:
+            assert f'name="_selected_action" value="{job_id}"' in page
+        assert 'name="post" value="yes"' in page and "csrfmiddlewaretoken" in page
+        assert [job_row(i) for i in chosen] == before
+
+        response = self.act(client, chosen, post="yes")
+        assert self.statuses() == ["cancelled", "cancelled", "done"]
+        assert job_row(self.done) == before[2]
+        assert messages_of(response) == [
+            ("success", "Cancelled 2 job(s)."),
+            ("warning", "1 job(s) had already finished and were left alone."),
+        ]
+
+    def test_the_job_page_offers_cancel_while_the_job_is_queued_or_running(self) -> None:
+        client = client_for(User.objects.create_superuser("root", password="pw"))
+        for job_id, offered in ((self.queued, True), (self.running, True), (self.done, False)):
+            page = client.get(job_url(job_id)).content.decode()
+            assert (f'href="{cancel_url(job_id)}"' in page) is offered, job_id
+
+        confirm = client.get(cancel_url(self.running))
+        page = confirm.content.decode()
+        assert confirm.status_code == 200 and "Are you sure" in page
+        assert f"Job {self.running}: {NOOP} on default, running" in text(page)
+        assert 'method="post"' in page and "csrfmiddlewaretoken" in page
+        assert job_row(self.running)["status"] == "running"
+
+        response = client.post(cancel_url(self.running), {"post": "yes"})
+        assert response.status_code == 302 and response["Location"] == job_url(self.running)
+        assert job_row(self.running)["status"] == "cancelled"
+        page = client.get(job_url(self.running)).content.decode()
+        assert "Cancelled 1 job(s)." in page
+        assert f'href="{cancel_url(self.running)}"' not in page
+
+        # A second cancel of the same job (a page left open) changes nothing and says so.
+        before = job_row(self.running)
+        client.post(cancel_url(self.running), {"post": "yes"})
+        assert job_row(self.running) == before
+        assert "1 job(s) had already finished and were left alone." in text(
+            client.get(job_url(self.running)).content.decode()
+        )
+        assert client.get(cancel_url(10**12)).status_code == 404
+
+    def test_the_cancel_post_needs_its_csrf_token(self) -> None:
+        client = Client(enforce_csrf_checks=True)
+        client.force_login(User.objects.create_superuser("root", password="pw"))
+        assert client.post(cancel_url(self.queued), {"post": "yes"}).status_code == 403
+        assert self.act(client, [self.queued], post="yes").status_code == 403
+        assert self.statuses() == ["queued", "running", "done"]
+
+    def test_without_the_change_permission_there_is_no_cancel(self) -> None:
+        viewer = client_for(make_user("viewer", "view_job"))
+        response = viewer.get(JOBS)
+        form = response.context["action_form"]
+        names = {n for n, _label in form.fields["action"].choices if n} if form else set()
+        assert "cancel_selected" not in names
+        self.act(viewer, [self.queued, self.running], post="yes")
+        assert (
+            f'href="{cancel_url(self.queued)}"'
+            not in viewer.get(job_url(self.queued)).content.decode()
+        )
+        assert viewer.get(cancel_url(self.queued)).status_code == 403
+        assert viewer.post(cancel_url(self.queued), {"post": "yes"}).status_code == 403
+        assert self.statuses() == ["queued", "running", "done"]
+
+        changer = client_for(make_user("changer", "view_job", "change_job"))
+        form = changer.get(JOBS).context["action_form"]
+        assert "cancel_selected" in {n for n, _label in form.fields["action"].choices}
+        self.act(changer, [self.queued], post="yes")
+        assert changer.post(cancel_url(self.running), {"post": "yes"}).status_code == 302
+        assert self.statuses() == ["cancelled", "cancelled", "done"]
+
+    def test_the_failed_jobs_list_has_no_cancel(self) -> None:
+        client = client_for(User.objects.create_superuser("root", password="pw"))
+        make_job(status="failed", attempts=5, last_error="err")
+        form = client.get(FAILED).context["action_form"]
+        assert "cancel_selected" not in {n for n, _label in form.fields["action"].choices}
+
+    def test_the_status_filter_offers_cancelled(self) -> None:
+        client = client_for(User.objects.create_superuser("root", password="pw"))
+        Job.objects.cancel([self.queued])
+        assert '?status__exact=cancelled"' in client.get(JOBS).content.decode()
+        assert listed(client.get(JOBS, {"status__exact": "cancelled"})) == [self.queued]
+
+
+class CrashTests(TestCase):
+    """Jobs failed because their workers kept dying are shown, and filtered, apart."""
+
+    def setUp(self) -> None:
+        self.client.force_login(User.objects.create_superuser("root", password="pw"))
+        expired = timedelta(minutes=-1)
+        # Its worker died under it once already; dying again, the reaper quarantines it.
+        self.quarantined = make_job(status="running", attempts=2, locked_until=expired)
+        # Its lease expired on its last attempt, with no crash before: failed, not quarantined.
+        self.expired = make_job(status="running", attempts=5, locked_until=expired)
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE pgjobs_job SET crashes = 1 WHERE id = %s", [self.quarantined])
+        reaped = {row.id: row.status for row in Job.objects.reap()}
+        assert reaped == {self.quarantined: "failed", self.expired: "failed"}
+        self.raised = make_job(
+            status="failed", attempts=5, task=BOOM, last_error="boom", finished_at=timedelta(0)
+        )
+
+    def test_the_failed_list_and_the_page_show_crashes_and_the_list_filters_on_them(self) -> None:
+        page = self.client.get(FAILED).content.decode()
+        assert "column-crashes" in page
+        assert "2" in result_row(page, self.quarantined)
+        assert "0" in result_row(page, self.raised)
+        assert listed(self.client.get(FAILED, {"ended": "crashed"})) == [self.quarantined]
+        assert sorted(listed(self.client.get(FAILED, {"ended": "other"}))) == sorted(
+            [self.raised, self.expired]
+        )
+        assert sorted(listed(self.client.get(FAILED))) == sorted(
+            [self.quarantined, self.raised, self.expired]
+        )
+
+        response = self.client.get(job_url(self.quarantined))
+        assert "crashes" in response.context["adminform"].readonly_fields

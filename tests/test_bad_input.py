@@ -249,3 +249,65 @@ def test_a_prune_cutoff_the_timestamp_cannot_hold_is_refused() -> None:
         lambda: Job.objects.prune(older_than=dt.timedelta.max),
         "Invalid older_than",
     )
+
+
+# -- unique keys ---------------------------------------------------------------------------
+
+BAD_UNIQUE_KEYS = [
+    pytest.param("", r"Invalid unique_key '': use a string of 1 to 500", id="empty"),
+    pytest.param("k" * 501, r"unique_key of 501 characters: use a string of 1 to 500", id="long"),
+    pytest.param("a\x00b", r"unique_key 'a\\x00b': it contains a NUL", id="nul"),
+    pytest.param("caf\udce9", r"unique_key .*lone surrogate", id="surrogate"),
+    pytest.param(42, r"Invalid unique_key 42: use a string", id="int"),
+]
+
+
+@pytest.mark.parametrize(("key", "match"), BAD_UNIQUE_KEYS)
+def test_a_bad_unique_key_is_refused_before_anything_is_sent(key: Any, match: str) -> None:
+    refused(InvalidJobOptions, lambda: Job.objects.enqueue(noop, unique_key=key), match)
+
+
+@pytest.mark.parametrize(("key", "match"), BAD_UNIQUE_KEYS)
+def test_one_bad_key_from_a_callable_among_many_writes_none(key: Any, match: str) -> None:
+    keys = ["fine", None, key]
+    refused(
+        InvalidJobOptions,
+        lambda: Job.objects.enqueue_many(
+            noop, [{"n": n} for n in range(3)], unique_key=lambda p: keys[p["n"]]
+        ),
+        match.replace("unique_key", "unique_key of testproject.testjobs.noop"),
+    )
+
+
+def test_the_longest_unique_key_fits_the_index() -> None:
+    # 500 characters of 4 bytes each: 2,000 bytes, within a btree entry's limit.
+    key = "\N{GRINNING FACE}" * 500
+    job = Job.objects.enqueue(noop, unique_key=key)
+    assert job_row(job.id)["id"] == job.id
+    assert Job.objects.enqueue(noop, unique_key=key).id == job.id
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        pytest.param(
+            lambda: Job.objects.enqueue(noop, unique_key="k", unique_while="forever"),
+            r"Invalid unique_while 'forever': use 'queued' or 'active'",
+            id="mode",
+        ),
+        pytest.param(
+            lambda: Job.objects.enqueue(noop, unique_while="active"),
+            r"unique_while 'active' for task 'testproject.testjobs.noop' without a unique key",
+            id="mode-without-key",
+        ),
+        pytest.param(
+            lambda: Job.objects.enqueue_many(noop, [{}], unique_key="k"),
+            r"Invalid unique_key 'k' for enqueue_many\(\): use a callable",
+            id="many-takes-a-callable",
+        ),
+    ],
+)
+def test_unique_options_are_refused_before_anything_is_sent(
+    call: Callable[[], Any], match: str
+) -> None:
+    refused(InvalidJobOptions, call, match)

@@ -35,6 +35,9 @@ VALID: dict[str, Any] = {
     "NOTIFY": "inline",
     "WORKER_SYNCHRONOUS_COMMIT": None,
     "PREPARE": False,
+    "CLAIM_REGISTERED_ONLY": False,
+    "MAX_CRASHES": 1,
+    "MAX_STUCK_EXECUTORS": 1,
     "SCHEDULE": {"nightly": {"task": "testproject.testjobs.noop", "cron": "0 2 * * *"}},
 }
 
@@ -43,6 +46,8 @@ BAD: list[tuple[Any, str]] = [
     ({"CONCURENCY": 4}, "pgjobs.E003"),
     ({"MAX_ATTEMPTS": 0}, "pgjobs.E002"),
     ({"MAX_ATTEMPTS": 2.5}, "pgjobs.E002"),
+    ({"MAX_CRASHES": 0}, "pgjobs.E002"),
+    ({"MAX_STUCK_EXECUTORS": "3"}, "pgjobs.E002"),
     ({"CONCURRENCY": "4"}, "pgjobs.E002"),
     ({"CONCURRENCY": 0}, "pgjobs.E002"),
     ({"BATCH_SIZE": True}, "pgjobs.E002"),
@@ -87,6 +92,8 @@ BAD: list[tuple[Any, str]] = [
     ({"NOTIFY": None}, "pgjobs.E012"),
     ({"PREPARE": "yes"}, "pgjobs.E013"),
     ({"PREPARE": 1}, "pgjobs.E013"),
+    ({"CLAIM_REGISTERED_ONLY": "no"}, "pgjobs.E014"),
+    ({"CLAIM_REGISTERED_ONLY": 0}, "pgjobs.E014"),
 ]
 
 

@@ -4,14 +4,16 @@ Each problem is created the way production creates it (a session left idle in tr
 holding a claim while a worker runs 2,000 jobs, a prepared transaction nobody finished, a hot
 standby whose long query holds its replication slot's xmin, a lock that keeps autovacuum out
 round after round, autovacuum settings turned off, a CREATE INDEX CONCURRENTLY that failed, a
-worker that died holding leases, a queue nobody works) and the doctor must name it on a
-``PROBLEM:`` line and exit 1; a healthy database, however many dead rows a burst of work has
-just left, exits 0. Where the doctor says VACUUM cannot (or can) remove the dead rows, a
-VACUUM checks it.
+worker that died holding leases, a queue nobody works, a queue no live worker serves, a job
+whose task no live worker knows) and the doctor must name it on a ``PROBLEM:`` line and exit 1;
+a healthy database, however many dead rows a burst of work has just left, exits 0. Where the
+doctor says VACUUM cannot (or can) remove the dead rows, a VACUUM checks it.
 
 The doctor judges the server as well as the table, and some problems need settings a shared
 development server lacks, so this module runs on a throwaway PostgreSQL of its own (one for
-the module, the table emptied before each test): ``wal_level = logical`` and
+the module, the tables emptied before each test, and one live worker registered that serves
+the queues the tests use with any task, as production has: without one every ready job would
+be a problem): ``wal_level = logical`` and
 ``max_prepared_transactions`` for the horizon holders, and ``autovacuum_naptime = 1h`` so that
 autovacuum, on as on any production server, does not clean up behind a test's back while it
 counts dead rows. Whatever a test changes on that server it puts back in a ``finally``.
@@ -36,7 +38,7 @@ from psycopg import sql as pgsql
 from django_pgjobs import sql
 from django_pgjobs.doctor import Thresholds
 from scripts.pgserver import ThrowawayPostgres
-from tests.helpers import NOOP, PLAIN_COLUMNS, TIME_COLUMNS, wait_until
+from tests.helpers import NOOP, PLAIN_COLUMNS, TIME_COLUMNS, wait_until, worker_record
 from tests.workers import Workers, ran
 
 SCALE_FACTOR = "autovacuum_vacuum_scale_factor=0.01"
@@ -157,9 +159,25 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield started
 
 
+# The registry row of a worker that serves every queue the tests use and claims any task.
+STANDING = "standing-worker"
+SERVED = {"default": None, "emails": None, "reports": None}
+
+
+def register(
+    server: Server, worker_id: str, queues: dict[str, int | None], tasks: list[str] | None
+) -> None:
+    """A live worker's registry row, written with the worker's own statement."""
+    server.query(
+        sql.WORKER_BEAT,
+        worker_record(worker_id, queues, tasks, ttl=timedelta(hours=1), host="doctor-host"),
+    )
+
+
 @pytest.fixture(autouse=True)
 def _empty_table(server: Server) -> None:
-    server.query("TRUNCATE pgjobs_job")
+    server.query("TRUNCATE pgjobs_job, pgjobs_worker, pgjobs_queue")
+    register(server, STANDING, SERVED, None)
 
 
 class Diagnosis:
@@ -280,7 +298,9 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
                 "limit": 1,
                 "lease": timedelta(minutes=5),
                 "worker_id": "doctor-test",
+                "suspects": True,
                 "synchronous_commit": None,
+                "tasks": None,
             },
         ).fetchall()
         assert len(held) == 1
@@ -847,3 +867,167 @@ def test_a_negative_threshold_is_refused_with_the_option_named(doctor: Doctor) -
         Thresholds(transaction=float("nan"))
     with pytest.raises(ValueError, match=r"Thresholds\.slot_age must be a number, 0 or more"):
         Thresholds(slot_age=-1)
+
+
+def test_jobs_quarantined_for_killing_their_worker_are_named_apart_from_other_failures(
+    server: Server, doctor: Doctor
+) -> None:
+    (quarantined,) = server.insert(status="failed", attempts=2, finished_at=timedelta(minutes=-1))
+    (raised,) = server.insert(status="failed", attempts=5, finished_at=timedelta(minutes=-1))
+    (suspect,) = server.insert(status="queued", attempts=1)
+    # What the reap and a raising attempt leave behind (a fresh server reaps nothing for a
+    # minute, so the rows are written as the reap would).
+    server.query(
+        "UPDATE pgjobs_job SET crashes = 2, last_error = 'the worker died while running this "
+        "job 2 times in a row', errors = jsonb_build_array(jsonb_build_object("
+        "'exception_class_path', 'django_pgjobs.exceptions.WorkerCrashed', 'traceback', 'x')) "
+        "WHERE id = %s",
+        [quarantined],
+    )
+    server.query(
+        "UPDATE pgjobs_job SET last_error = 'RuntimeError: boom', errors = jsonb_build_array("
+        "jsonb_build_object('exception_class_path', 'builtins.RuntimeError', 'traceback', 'x')) "
+        "WHERE id = %s",
+        [raised],
+    )
+    server.query("UPDATE pgjobs_job SET crashes = 1 WHERE id = %s", [suspect])
+
+    text = doctor()
+    assert text.status == 1, text
+    (problem,) = text.problems
+    assert problem.startswith(
+        f"job {quarantined} {NOOP} (queue default) was failed after its worker died 2 times"
+    )
+    assert "Failures in the last hour: 2" in text.output
+    assert "row): 1\n" in text.output
+    assert f"  job {quarantined} {NOOP}: 2 worker deaths in a row" in text.output
+    assert "Live jobs whose last attempt ended with a dead worker: 1" in text.output
+
+    as_json = doctor("--json").json()
+    assert [row["id"] for row in as_json["quarantined"]] == [quarantined]
+    assert as_json["suspects"] == 1
+
+
+def test_the_quarantined_count_is_not_capped_by_the_listing(server: Server, doctor: Doctor) -> None:
+    ids = server.insert(25, status="failed", attempts=2, finished_at=timedelta(minutes=-1))
+    server.query(
+        "UPDATE pgjobs_job SET crashes = 2, last_error = 'the worker died', "
+        "errors = jsonb_build_array(jsonb_build_object('exception_class_path', "
+        "'django_pgjobs.exceptions.WorkerCrashed', 'traceback', 'x')) WHERE id = ANY(%s)",
+        [ids],
+    )
+    text = doctor()
+    # 25 quarantined, though the report lists (and names as problems) only the latest 20.
+    assert "row): 25\n" in text.output
+    as_json = doctor("--json").json()
+    assert (len(as_json["quarantined"]), as_json["quarantined_count"]) == (20, 25)
+    assert "total" not in as_json["quarantined"][0]
+
+
+def test_a_queue_no_live_worker_serves_is_named_per_task(server: Server, doctor: Doctor) -> None:
+    server.query("DELETE FROM pgjobs_worker")
+    server.insert(2, queue="emails")
+    server.insert(queue="emails", run_at=timedelta(hours=1))  # not ready yet: not counted
+    server.query(
+        "INSERT INTO pgjobs_job (task, queue, payload) VALUES ('app.reports.build', 'reports', "
+        "'{}')"
+    )
+
+    text = doctor()
+
+    assert text.status == 1, text
+    assert text.problems == [
+        "queue emails: 2 ready job(s) of testproject.testjobs.noop and no live worker serves "
+        "the queue: start a worker with `manage.py runjobs --queue emails`.",
+        "queue reports: 1 ready job(s) of app.reports.build and no live worker serves the "
+        "queue: start a worker with `manage.py runjobs --queue reports`.",
+    ], text
+    assert "Live workers: 0\n" in text.output
+    assert (
+        "Ready jobs no live worker can run:\n"
+        f"  emails: 2 of {NOOP} (no live worker serves this queue)\n"
+        "  reports: 1 of app.reports.build (no live worker serves this queue)\n"
+    ) in text.output
+
+    as_json = doctor("--json").json()
+    assert as_json["workers"] == []
+    assert as_json["unrunnable"] == [
+        {"queue": "emails", "task": NOOP, "ready": 2, "served": False},
+        {"queue": "reports", "task": "app.reports.build", "ready": 1, "served": False},
+    ]
+    assert as_json["problems"] == text.problems
+
+    # A worker serving the queues (any task) makes them runnable again.
+    register(server, STANDING, SERVED, None)
+    doctor.healthy()
+
+
+def test_a_task_no_live_worker_serving_its_queue_knows_is_named(
+    server: Server, workers: Workers, doctor: Doctor
+) -> None:
+    server.query("DELETE FROM pgjobs_worker")
+    # A real worker of the emails queue: it registers itself, with the tasks it can run, and
+    # claims only those (PGJOBS["CLAIM_REGISTERED_ONLY"]).
+    worker = workers.start("--queue", "emails=4", database_url=server.url)
+    wait_until(
+        lambda: server.scalar("SELECT count(*) FROM pgjobs_worker") == 1,
+        message="the worker to register itself",
+    )
+    server.query(
+        "INSERT INTO pgjobs_job (task, queue, payload) VALUES ('app.retired', 'emails', '{}')"
+    )
+    (known,) = server.insert(queue="emails")
+    wait_until(
+        lambda: server.scalar("SELECT status FROM pgjobs_job WHERE id = %s", [known]) == "done",
+        message="the worker to run the job whose task it knows",
+    )
+
+    text = doctor()
+
+    assert text.status == 1, text
+    assert text.problems == [
+        "queue emails: 1 ready job(s) of app.retired, a task none of the live workers serving "
+        "the queue has registered (old code, or a module they do not import): deploy workers "
+        "that know it; they claim only the tasks they have registered "
+        "(PGJOBS['CLAIM_REGISTERED_ONLY'])."
+    ], text
+    assert "  emails: 1 of app.retired\n" in text.output
+    (line,) = [row for row in text.output.splitlines() if row.startswith("  ") and "(pid " in row]
+    assert f"(pid {worker.pid}, lease mode, version " in line
+    assert "): queues emails=4; tasks " in line and "tasks any" not in line
+
+    as_json = doctor("--json").json()
+    (registered,) = as_json["workers"]
+    assert (registered["pid"], registered["queues"]) == (worker.pid, {"emails": 4})
+    assert NOOP in registered["tasks"] and "app.retired" not in registered["tasks"]
+    assert as_json["unrunnable"] == [
+        {"queue": "emails", "task": "app.retired", "ready": 1, "served": True}
+    ]
+    # The job's task no longer matters once it is gone: healthy again.
+    server.query("UPDATE pgjobs_job SET status = 'cancelled', finished_at = now()")
+    register(server, STANDING, SERVED, None)
+    healthy = doctor.healthy()
+    assert "Live workers: 2" in healthy.output
+
+
+def test_paused_queues_are_listed_and_are_no_problem(server: Server, doctor: Doctor) -> None:
+    server.insert(3, queue="emails")
+    for queue in ("emails", "reports"):
+        server.query(sql.PAUSE, {"queue": queue})
+    server.query(
+        sql.SET_LIMITS,
+        {
+            "queue": "default",
+            "concurrency": 2,
+            "rate_count": None,
+            "rate_period": None,
+            "channel": "pgjobs",
+        },
+    )
+
+    text = doctor.healthy()
+    assert "Paused queues: emails, reports\n" in text.output
+    assert doctor("--json").json()["paused"] == ["emails", "reports"]
+
+    server.query(sql.RESUME, {"queue": "emails", "channel": "pgjobs"})
+    assert "Paused queues: reports\n" in doctor.healthy().output

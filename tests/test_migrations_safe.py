@@ -110,6 +110,22 @@ ROWS_WRITTEN = re.compile(rf"(?:UPDATE|DELETE FROM) (?:ONLY )?{NAME}", re.I)
 WHERE = re.compile(r"\bWHERE\b", re.I)
 
 
+# Where the next clause of an ALTER TABLE starts (a comma inside a CHECK's list is followed by
+# a value, not by one of these).
+NEXT_CLAUSE = re.compile(r",\s*(?:ADD|DROP|ALTER|VALIDATE|SET|RESET|RENAME|OWNER)\b", re.I)
+
+
+def constraint_clauses(statement: str) -> list[tuple[str, str, str]]:
+    """(name, kind, its own clause) of each ADD CONSTRAINT in one statement: NOT VALID must be
+    in that constraint's clause, not merely somewhere in the statement."""
+    found = []
+    for match in ADD_CONSTRAINT.finditer(statement):
+        end = NEXT_CLAUSE.search(statement, match.end())
+        clause = statement[match.start() : end.start() if end else len(statement)]
+        found.append((match.group(1) or "", match.group(2), clause))
+    return found
+
+
 @dataclass
 class Findings:
     problems: list[str] = field(default_factory=list)
@@ -211,7 +227,7 @@ def check_sql(text: str, *, atomic: bool) -> Findings:
             result.problems.append(
                 f"{short!r} adds a stored generated column, which rewrites the table"
             )
-        for name, kind in ADD_CONSTRAINT.findall(statement):
+        for name, kind, clause in constraint_clauses(statement):
             kind = kind.upper()
             label = name or "an unnamed constraint"
             if kind in ("UNIQUE", "PRIMARY KEY"):
@@ -220,7 +236,7 @@ def check_sql(text: str, *, atomic: bool) -> Findings:
                         f"{short!r}: {kind} {label} builds its index under the table lock: "
                         "CREATE UNIQUE INDEX CONCURRENTLY, then ADD CONSTRAINT ... USING INDEX"
                     )
-            elif kind == "EXCLUDE" or "NOT VALID" not in head:
+            elif kind == "EXCLUDE" or "NOT VALID" not in clause.upper():
                 result.problems.append(
                     f"{short!r}: {kind} {label} checks every row under ACCESS EXCLUSIVE: add it "
                     "NOT VALID, then VALIDATE CONSTRAINT in a later transaction"
@@ -375,6 +391,49 @@ def test_the_checker_objects_to_the_constraint_migration_without_its_safeguards(
     assert "with a WHERE" in problems[0] and "no lock_timeout" in problems[1]
 
 
+@pytest.mark.django_db
+def test_the_job_control_migration_changes_the_status_check_online() -> None:
+    """0008 lets status be 'cancelled' on a live table: the old CHECK goes and the new one
+    comes NOT VALID in one brief ALTER under lock_timeout, and a statement of its own (its own
+    transaction: the migration is non-atomic) validates it without blocking writes."""
+    name = next(m for m in MIGRATIONS if m.startswith("0008_"))
+    text = sqlmigrate(name)
+    assert not is_atomic(name)
+    found = check_sql(text, atomic=False)
+    assert found.problems == [] and found.unvalidated == set()
+    assert "pgjobs_job_status_check" in found.validated
+    parts = statements(text)
+    (add,) = [s for s in parts if "ADD CONSTRAINT pgjobs_job_status_check" in s]
+    assert "'cancelled'" in add and "NOT VALID" in add
+    assert "DROP CONSTRAINT IF EXISTS pgjobs_job_status_check" in add
+    validate = parts.index("ALTER TABLE pgjobs_job VALIDATE CONSTRAINT pgjobs_job_status_check")
+    assert parts.index(add) < validate
+    timeouts = [i for i, s in enumerate(parts) if SET_TIMEOUT.match(s)]
+    assert timeouts and timeouts[0] < parts.index(add)
+
+    # Each safeguard is what the checker sees: without NOT VALID the CHECK scans every row
+    # under ACCESS EXCLUSIVE; without the VALIDATE it is never enforced on old rows; without
+    # the lock_timeout the ALTER can queue behind a long transaction and stall the workers.
+    checked_at_once = check_sql(TIMEOUT + add.replace(" NOT VALID", "", 1) + ";", atomic=False)
+    assert any("NOT VALID" in p for p in checked_at_once.problems), checked_at_once.problems
+    never_validated = text.replace(
+        "ALTER TABLE pgjobs_job VALIDATE CONSTRAINT pgjobs_job_status_check;", ""
+    )
+    assert check_migrations([(name, never_validated, False)]) == [
+        f"{name}: constraint pgjobs_job_status_check is added NOT VALID and never validated"
+    ]
+    unguarded = check_sql(text.replace("SET lock_timeout = '5s';", ""), atomic=False)
+    assert any(p.startswith("'ALTER TABLE pgjobs_job DROP CONSTRAINT") for p in unguarded.problems)
+    # And the constraint the database holds now is the validated one that allows 'cancelled'.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT convalidated, pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE conrelid = 'pgjobs_job'::regclass AND conname = 'pgjobs_job_status_check'"
+        )
+        ((validated, definition),) = cursor.fetchall()
+    assert validated is True and "'cancelled'" in definition
+
+
 # -- the checker fails on bad SQL --------------------------------------------------------------
 
 TIMEOUT = "SET lock_timeout = '5s';\n"
@@ -474,6 +533,13 @@ def test_the_checker_catches_what_makemigrations_would_write() -> None:
             True,
             "NOT VALID",
             id="check-without-not-valid",
+        ),
+        pytest.param(
+            LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT a CHECK (attempts >= 0) NOT VALID, "
+            "ADD CONSTRAINT b CHECK (status IN ('queued', 'done'));",
+            True,
+            "CHECK b checks every row",
+            id="second-check-of-one-alter-without-not-valid",
         ),
         pytest.param(
             LOCAL + "ALTER TABLE pgjobs_job ADD CONSTRAINT pgjobs_job_fk "

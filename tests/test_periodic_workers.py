@@ -193,7 +193,7 @@ def test_an_idle_worker_wakes_only_for_the_tick(workers: Workers) -> None:
     moments: set[datetime] = set()
 
     def sample() -> datetime | None:
-        for _state, changed, started, _wait in worker.activity().values():
+        for _state, changed, started in worker.activity().values():
             moments.update(t for t in (changed, started) if t is not None)
         tick = latest_tick("every_ten")
         return tick if tick is not None and tick >= due else None

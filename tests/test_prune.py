@@ -128,7 +128,7 @@ def test_status_failed_and_all_choose_which_finished_jobs_go() -> None:
 
     finished(7, status="failed")
     assert prunejobs("--older-than", "2d", "--status", "all")[-1] == (
-        "deleted 37 done and failed jobs finished more than 2d ago"
+        "deleted 37 done, failed and cancelled jobs finished more than 2d ago"
     )
     assert ids() == set(recent + queued)
 
@@ -136,6 +136,33 @@ def test_status_failed_and_all_choose_which_finished_jobs_go() -> None:
     assert prunejobs("--older-than", "25h", "--status", "all")[-1].startswith("deleted 0 ")
     assert prunejobs("--older-than", "23h", "--status", "all")[-1].startswith("deleted 10 ")
     assert ids() == set(queued)
+
+
+def test_status_cancelled_prunes_cancelled_jobs_and_all_includes_them() -> None:
+    # Cancelled while queued (no attempt, never started), or while running (its attempt kept);
+    # cancelled yesterday: too recent.
+    old_cancelled = make_jobs(6, status="cancelled", created_at=-9 * DAY, finished_at=-8 * DAY)
+    old_cancelled += finished(2, status="cancelled")
+    recent = finished(3, status="cancelled", ago=DAY)
+    others = finished(4) + finished(4, status="failed")
+    live = make_jobs(3, created_at=-30 * DAY, run_at=-30 * DAY) + make_jobs(
+        2, status="running", attempts=1, created_at=-30 * DAY, locked_until=timedelta(minutes=5)
+    )
+    before = fingerprints()
+
+    assert prunejobs("--status", "cancelled", "--archive", "--batch-size", "5") == [
+        "  archived 5 so far",
+        "  archived 8 so far",
+        "archived 8 cancelled jobs finished more than 7d ago",
+    ]
+    assert ids(table="pgjobs_job_archive") == set(old_cancelled)
+    assert ids("status = 'cancelled'", table="pgjobs_job_archive") == set(old_cancelled)
+    assert fingerprints() == {i: before[i] for i in recent + others + live}
+
+    # "all" is done, failed and cancelled; queued and running stay whatever their age.
+    assert Job.objects.prune(older_than=timedelta(hours=1), status="all") == 11
+    assert ids() == set(live)
+    assert Job.objects.prune(older_than=timedelta(0), status=["cancelled"]) == 0
 
 
 ROW = (
@@ -190,7 +217,7 @@ def test_archive_moves_rows_with_every_column_one_statement_per_batch() -> None:
         "  archived 4 so far",
         "  archived 8 so far",
         "  archived 10 so far",
-        "archived 10 done and failed jobs finished more than 7d ago",
+        "archived 10 done, failed and cancelled jobs finished more than 7d ago",
     ]
     # One statement per batch (4 + 4 + 2), and each one both deletes and inserts: there is
     # no moment when a job is in neither table, or in both.

@@ -27,36 +27,44 @@ class ClaimPlanTests(TransactionTestCase):
         make_jobs(5000, status="done", attempts=1)
         make_jobs(50)
         make_jobs(20, queue="emails")
-        with connection.cursor() as cursor:
-            cursor.execute("ANALYZE pgjobs_job")
-            cursor.execute(
-                "EXPLAIN (COSTS OFF) " + sql.CLAIM,
-                {
-                    "queue": "default",
-                    "limit": 10,
-                    "lease": "5 minutes",
-                    "worker_id": "explain",
-                    "synchronous_commit": "off",
-                },
-            )
-            plan = [row[0] for row in cursor.fetchall()]
-        text = "\n".join(plan)
+        # A busy worker claims without suspects, an idle one (and Job.objects) with them:
+        # either way the same plan.
+        for suspects in (False, True):
+            with self.subTest(suspects=suspects):
+                with connection.cursor() as cursor:
+                    cursor.execute("ANALYZE pgjobs_job")
+                    cursor.execute(
+                        "EXPLAIN (COSTS OFF) " + sql.CLAIM,
+                        {
+                            "queue": "default",
+                            "limit": 10,
+                            "lease": "5 minutes",
+                            "worker_id": "explain",
+                            "suspects": suspects,
+                            "synchronous_commit": "off",
+                            "tasks": None,
+                        },
+                    )
+                    plan = [row[0] for row in cursor.fetchall()]
+                text = "\n".join(plan)
 
-        def line_of(pattern: str) -> int:
-            matches = [i for i, line in enumerate(plan) if re.search(pattern, line)]
-            assert matches, f"{pattern!r} not in plan:\n{text}"
-            return matches[0]
+                def line_of(pattern: str, plan: list[str] = plan, text: str = text) -> int:
+                    matches = [i for i, line in enumerate(plan) if re.search(pattern, line)]
+                    assert matches, f"{pattern!r} not in plan:\n{text}"
+                    return matches[0]
 
-        def depth(i: int) -> int:
-            return len(plan[i]) - len(plan[i].lstrip(" -"))
+                def depth(i: int, plan: list[str] = plan) -> int:
+                    return len(plan[i]) - len(plan[i].lstrip(" -"))
 
-        cte = line_of(r"^\s*CTE next$")
-        limit = line_of(r"->\s+Limit$")
-        lock = line_of(r"->\s+LockRows$")
-        scan = line_of(r"->\s+Index (Only )?Scan using pgjobs_job_ready_idx on pgjobs_job\b")
-        assert cte < limit < lock < scan, text
-        assert depth(cte) < depth(limit) < depth(lock) < depth(scan), text
-        assert "Seq Scan on pgjobs_job" not in text, text
+                cte = line_of(r"^\s*CTE next$")
+                limit = line_of(r"->\s+Limit$")
+                lock = line_of(r"->\s+LockRows$")
+                scan = line_of(
+                    r"->\s+Index (Only )?Scan using pgjobs_job_ready_idx on pgjobs_job\b"
+                )
+                assert cte < limit < lock < scan, text
+                assert depth(cte) < depth(limit) < depth(lock) < depth(scan), text
+                assert "Seq Scan on pgjobs_job" not in text, text
 
 
 class TableTests(TestCase):
@@ -119,6 +127,9 @@ class TableTests(TestCase):
             assert getattr(job, column) == value, column
 
 
+CHECKS = [c for c in Job._meta.constraints if isinstance(c, models.CheckConstraint)]
+
+
 class DriftTests(TestCase):
     """Model (and so the migration state) against the SQL migration 0001 really ran."""
 
@@ -159,6 +170,18 @@ class DriftTests(TestCase):
             expected = self._index_def(twin.name).replace(twin.name, index.name)
             assert self._index_def(index.name) == expected
 
+    def test_the_unique_index_matches_the_model(self) -> None:
+        # The partial unique index that enqueue's ON CONFLICT infers is a UniqueConstraint.
+        (unique,) = [c for c in Job._meta.constraints if isinstance(c, models.UniqueConstraint)]
+        twin = unique.clone()
+        twin.name = "twin_" + unique.name
+        with connection.schema_editor() as editor:
+            editor.add_constraint(Job, twin)
+        expected = self._index_def(twin.name).replace(twin.name, unique.name)
+        assert self._index_def(unique.name) == expected
+        assert "UNIQUE" in expected and "AND (unique_key IS NOT NULL))" in expected
+        assert "status = ANY (ARRAY['queued'::text, 'running'::text])" in expected
+
     def test_every_constraint_is_validated(self) -> None:
         # A constraint left NOT VALID (a migration that stopped before its VALIDATE) still
         # checks new rows but promises nothing about old ones.
@@ -168,12 +191,11 @@ class DriftTests(TestCase):
                 "WHERE conrelid = 'pgjobs_job'::regclass AND contype = 'c'"
             )
         )
-        assert set(constraints) == {c.name for c in Job._meta.constraints}
+        assert set(constraints) == {c.name for c in CHECKS}
         assert all(constraints.values()), constraints
 
     def test_check_constraints_match_the_models(self) -> None:
-        for constraint in Job._meta.constraints:
-            assert isinstance(constraint, models.CheckConstraint)
+        for constraint in CHECKS:
             twin = constraint.clone()
             twin.name = "twin_" + constraint.name
             with connection.schema_editor() as editor:

@@ -22,12 +22,14 @@ from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.conf import settings
 from django.core.checks import run_checks
 from django.db import connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from django_pgjobs import Snooze, current_job, registry
 from django_pgjobs.backends import InvalidTaskArguments, PgJobsBackend
 from django_pgjobs.exceptions import InvalidPayload
 from django_pgjobs.models import Job
@@ -36,6 +38,8 @@ from testproject.shop.models import Order
 from testproject.shop.tasks import double, order_total, returns_a_set, which_attempt
 from testproject.testjobs import noop
 from tests.helpers import (
+    PATIENCE,
+    DbThread,
     db_now,
     job_row,
     listening,
@@ -47,11 +51,11 @@ from tests.helpers import (
 )
 
 try:  # Django 6.0+
-    from django.tasks import TaskResult, TaskResultStatus, task_backends
+    from django.tasks import TaskResult, TaskResultStatus, task, task_backends
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
     from django.tasks.signals import task_enqueued, task_finished, task_started
 except ImportError:  # the django-tasks backport
-    from django_tasks import TaskResult, TaskResultStatus, task_backends
+    from django_tasks import TaskResult, TaskResultStatus, task, task_backends
     from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
     from django_tasks.signals import task_enqueued, task_finished, task_started
 
@@ -499,7 +503,9 @@ def test_the_claim_with_task_priorities_still_scans_the_ready_index() -> None:
                 "limit": 10,
                 "lease": "5 minutes",
                 "worker_id": "explain",
+                "suspects": True,
                 "synchronous_commit": None,
+                "tasks": None,
             },
         )
         lines = [row[0] for row in cursor.fetchall()]
@@ -659,6 +665,31 @@ def test_the_configured_backend_and_a_bare_one_have_no_problems() -> None:
             {"OPTIONS": {"BACKOFF_BASE": -1}}, "pgjobs.E024", "'BACKOFF_BASE'", id="negative-base"
         ),
         pytest.param(
+            {"OPTIONS": {"RETRY_ON": ["nowhere.at_all.Error"]}},
+            "pgjobs.E026",
+            "'nowhere.at_all.Error'",
+            id="retry-on-unimportable",
+        ),
+        pytest.param(
+            {"OPTIONS": {"DISCARD_ON": ["builtins.len"]}},
+            "pgjobs.E027",
+            "'builtins.len'",
+            id="discard-on-not-an-exception",
+        ),
+        pytest.param(
+            {"OPTIONS": {"DISCARD_ON": "builtins.ValueError"}},
+            "pgjobs.E027",
+            "['DISCARD_ON'] is 'builtins.ValueError'",
+            id="discard-on-not-a-list",
+        ),
+        pytest.param(
+            {"OPTIONS": {"RETRY_ON": []}}, "pgjobs.E027", "['RETRY_ON']", id="retry-on-nothing"
+        ),
+        pytest.param(
+            {"OPTIONS": {"BACKOFF_JITTER": 1}}, "pgjobs.E028", "'BACKOFF_JITTER'", id="jitter-int"
+        ),
+        pytest.param({"OPTIONS": {"TIMEOUT": 0}}, "pgjobs.E029", "'TIMEOUT'", id="timeout-zero"),
+        pytest.param(
             {"OPTIONS": {"BACKOFF_BASE": 120, "BACKOFF_MAX": 60}},
             "pgjobs.E009",
             "BACKOFF_BASE=120, BACKOFF_MAX=60",
@@ -681,6 +712,87 @@ def test_check_names_the_problem_in_the_backends_settings(
     assert [m.id for m in problems] == [check_id]
     assert problems[0].is_serious()
     assert "TASKS['x']" in problems[0].msg and names in problems[0].msg, problems[0].msg
+
+
+def test_valid_policy_options_have_no_problems() -> None:
+    options = {
+        "RETRY_ON": ["builtins.ConnectionError", "builtins.TimeoutError"],
+        "DISCARD_ON": ["builtins.ValueError"],
+        "BACKOFF_JITTER": True,
+        "TIMEOUT": 30,
+    }
+    assert PgJobsBackend("x", {"OPTIONS": options}).check() == []
+
+
+def raises(kind: str) -> None:
+    """A task body for the policy backend: raise the builtin exception named ``kind``."""
+    if kind == "Snooze":
+        raise Snooze(timedelta(hours=1))
+    raise {"ValueError": ValueError, "ConnectionError": ConnectionError}[kind](kind)
+
+
+POLICY_TASKS = {
+    "default": settings.TASKS["default"],
+    "policy": {
+        "BACKEND": "django_pgjobs.backends.PgJobsBackend",
+        "OPTIONS": {
+            "MAX_ATTEMPTS": 5,
+            "RETRY_ON": ["builtins.ConnectionError"],
+            "DISCARD_ON": ["builtins.ValueError"],
+            "BACKOFF_JITTER": True,
+            "TIMEOUT": 45,
+        },
+    },
+}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_options_map_to_the_registration_and_the_worker_follows_them(
+    received: Callable[[Any], list[tuple[type, TaskResult[Any, Any]]]],
+) -> None:
+    finished = received(task_finished)
+    with override_settings(TASKS=POLICY_TASKS):
+        policy_task = task(backend="policy")(raises)
+        discarded = policy_task.enqueue("ValueError")
+        retried = policy_task.enqueue("ConnectionError")
+        snoozed = policy_task.enqueue("Snooze")
+
+        registered = registry.get(policy_task.module_path)
+        assert registered.retry_on == (ConnectionError,)
+        assert registered.discard_on == (ValueError,)
+        assert registered.backoff_jitter is True
+        assert registered.timeout == timedelta(seconds=45)
+        assert job_row(int(discarded.id))["max_attempts"] == 5
+
+        stats = Worker(["default"], burst=True, concurrency=1, reap_interval=0, max_jobs=3).run()
+        after = db_now()
+
+        assert (stats.retried, stats.failed, stats.snoozed) == (1, 1, 1)
+        signalled = {result.id: result for _, result in finished}
+        assert signalled[discarded.id].status == FAILED
+        assert (signalled[snoozed.id].status, signalled[snoozed.id].errors) == (READY, [])
+        # DISCARD_ON: failed at its first attempt of five, and the result says so.
+        gone = policy_task.get_result(discarded.id)
+        assert (gone.status, gone.attempts) == (FAILED, 1)
+        assert gone.finished_at is not None
+        # RETRY_ON: queued again. This backend sets no BACKOFF_*, so PGJOBS's 10 s * 2^1,
+        # drawn from 75 % to 100 % of itself.
+        again = policy_task.get_result(retried.id)
+        assert again.status == READY
+        row = job_row(int(retried.id))
+        assert (row["status"], row["attempts"]) == ("queued", 1)
+        assert again.last_attempted_at is not None
+        assert again.last_attempted_at + timedelta(seconds=15) <= row["run_at"]
+        assert row["run_at"] <= after + timedelta(seconds=20)
+        assert scalar("SELECT timeout FROM pgjobs_job WHERE id = %s", [int(retried.id)]) == (
+            timedelta(seconds=45)
+        )
+        # A task that snoozes: READY again an hour later, no attempt spent, no error listed.
+        later = policy_task.get_result(snoozed.id)
+        assert (later.status, later.errors) == (READY, [])
+        assert query(
+            "SELECT status, attempts, snoozes FROM pgjobs_job WHERE id = %s", [int(snoozed.id)]
+        ) == [("queued", 0, 1)]
 
 
 def test_manage_py_check_reports_the_backends_problems() -> None:
@@ -750,3 +862,33 @@ def test_tasks_naming_the_backend_without_the_app_installed_is_reported(tmp_path
     (enqueue,) = [line for line in lines if line.startswith("ENQUEUE")]
     assert enqueue.startswith("ENQUEUE ImproperlyConfigured"), enqueue
     assert "add 'django_pgjobs' to INSTALLED_APPS" in enqueue
+
+
+def runs_until_cancelled() -> str:
+    """A task body that works until its heartbeat says it was cancelled, then returns."""
+    ctx = current_job()
+    assert ctx is not None
+    wait_until(lambda: ctx.cancelled, interval=0.05, message="the task to be cancelled")
+    return "stopped"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_cancelled_while_it_ran_is_signalled_with_its_rows_status(
+    received: Callable[[Any], list[tuple[type, TaskResult[Any, Any]]]],
+) -> None:
+    finished = received(task_finished)
+    cancellable = task()(runs_until_cancelled)
+    result = cancellable.enqueue()
+    job_id = int(result.id)
+    # A 1 s lease: the heartbeat that tells the job comes about every third of a second.
+    worker = DbThread(Worker(["default"], burst=True, concurrency=1, lease=1, max_jobs=1).run)
+    worker.start()
+    wait_until(lambda: job_row(job_id)["status"] == "running", message="the task to start")
+    assert Job.objects.cancel([job_id]) == 1
+    stats = worker.result(PATIENCE)
+
+    assert stats.cancelled == 1
+    ((_, signalled),) = [(s, r) for s, r in finished if r.id == result.id]
+    # The function returned normally, but the row says cancelled: the signal says the same.
+    assert signalled.status == cancellable.get_result(result.id).status == FAILED
+    assert signalled.finished_at is not None

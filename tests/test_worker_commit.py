@@ -78,7 +78,9 @@ def claim_params(synchronous_commit: str | None) -> dict[str, Any]:
         "limit": 1,
         "lease": timedelta(minutes=5),
         "worker_id": "commit-test",
+        "suspects": True,
         "synchronous_commit": synchronous_commit,
+        "tasks": None,
     }
 
 

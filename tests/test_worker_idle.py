@@ -117,12 +117,12 @@ def test_a_notify_that_comes_while_the_producer_looks_up_due_times_is_not_lost()
     second: list[int] = []
 
     class NotifiedMidRound(Worker):
-        def _next_due(self) -> float | None:
-            due = super()._next_due()
+        def _look(self) -> float | None:
+            due = super()._look()
             if armed.is_set() and not second:
                 # The claim found fewer jobs than free slots, so the producer asks when the
-                # next deferred job is due; meanwhile a job arrives (inserted without a
-                # NOTIFY) and its notification reaches the worker.
+                # next deferred job is due (the outlook); meanwhile a job arrives (inserted
+                # without a NOTIFY) and its notification reaches the worker.
                 second.append(make_job())
                 self._on_notify()
             return due

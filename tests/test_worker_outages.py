@@ -108,7 +108,8 @@ def test_a_job_that_meets_a_lost_connection_is_released_not_failed(workers: Work
     assert worker.wait() == 0
     # Released, not retried or failed: the summary counts them apart.
     assert re.search(
-        r"jobs: \d+ done, 0 to retry, 0 failed, \d+ lost; [1-9]\d* released", worker.output()
+        r"jobs: \d+ done, 0 to retry, 0 failed, \d+ lost, 0 cancelled; [1-9]\d* released",
+        worker.output(),
     ), worker.output()
 
 

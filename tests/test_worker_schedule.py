@@ -42,7 +42,7 @@ class Activity:
         self.moments: set[datetime] = set()
 
     def sample(self) -> None:
-        for _state, changed, started, _wait in self.worker.activity().values():
+        for _state, changed, started in self.worker.activity().values():
             self.moments.update(t for t in (changed, started) if t is not None)
 
     def watch(self, seconds: float) -> None:

@@ -54,15 +54,20 @@ def test_a_crash_rolls_the_claim_back_no_reap_needed(workers: Workers) -> None:
         return not query("SELECT id FROM pgjobs_job WHERE id = %s FOR UPDATE SKIP LOCKED", [job_id])
 
     wait_until(locked, message="the worker to claim the job")
+
+    # The row is locked while the claim statement still runs; once it has returned, the claim
+    # is an open transaction of the worker's, the one that wrote, idle while the job sleeps.
+    def claim_open() -> bool:
+        return query(
+            "SELECT state FROM pg_stat_activity WHERE application_name = %s "
+            "AND backend_xid IS NOT NULL",
+            [worker.app_name],
+        ) == [("idle in transaction",)]
+
+    wait_until(claim_open, message="the claim to return inside its open transaction")
     # Running, but uncommitted: everyone else still sees the job queued, attempt 0.
     row = job_row(job_id)
     assert (row["status"], row["attempts"]) == ("queued", 0)
-    # ... because the claim is an open transaction of the worker's, the one that wrote.
-    assert query(
-        "SELECT state FROM pg_stat_activity WHERE application_name = %s "
-        "AND backend_xid IS NOT NULL",
-        [worker.app_name],
-    ) == [("idle in transaction",)]
 
     worker.send(signal.SIGKILL)
     assert worker.wait() == -signal.SIGKILL
@@ -114,7 +119,9 @@ def test_an_open_transaction_holding_a_claim_keeps_vacuum_from_removing_dead_row
                     "limit": 1,
                     "lease": timedelta(minutes=5),
                     "worker_id": "t",
+                    "suspects": True,
                     "synchronous_commit": None,
+                    "tasks": None,
                 },
             ).fetchall()
             assert len(held) == 1

@@ -10,9 +10,11 @@ itself ``pgjobs-listener``.
 
 The module also defines jobs the testproject lacks (one that writes through the ORM and can
 then raise, one that reads through it, one that calls ``sys.exit``, one whose error text cannot
-be encoded, one retried after a second, and two that end on the test's signal rather than a
-clock's); a worker started with ``test_jobs=True`` imports this module so it can run them, and
-``tests.periodic_jobs`` (whose schedules are declared only when a test asks for them).
+be encoded, one retried after a second, two that end on the test's signal rather than a
+clock's, one that runs until it is cancelled, one that records when it ran and one that waits
+until its queue has N running); a worker started with ``test_jobs=True``
+imports this module so it can run them, and ``tests.periodic_jobs`` (whose schedules are
+declared only when a test asks for them).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 from django.conf import settings
 from django.db import connections
 
+import tests.retry_jobs  # noqa: F401 - a worker with test_jobs=True runs these jobs too
 from django_pgjobs import current_job, job, sql
 from tests.helpers import PATIENCE, job_row, wait_until
 
@@ -82,7 +85,8 @@ def undecodable_error() -> None:
     raise RuntimeError(f"cannot open {UNDECODABLE}")
 
 
-@job(max_attempts=3)
+# Retried 0.5 * 2^attempts s (at most 1 s) later, not the 20 s of the default BACKOFF_BASE.
+@job(max_attempts=3, backoff=(0.5, 1.0))
 def fails_first(times: int = 1) -> None:
     """Fail the first ``times`` attempts."""
     ctx = current_job()
@@ -117,9 +121,39 @@ def until_order(email: str) -> None:
     wait_until(go_ahead, interval=0.05, message=f"an order for {email}")
 
 
-# @job has no backoff option: retry 0.5 * 2^attempts s (at most 1 s) later, not the 20 s of
-# the default BACKOFF_BASE.
-fails_first.backoff = (0.5, 1.0)
+# Where span() records when each job ran (tests.test_queue_control creates it): what the
+# tests of limits and lock keys compute overlaps from.
+SPANS = "test_span"
+
+
+@job
+def span(pause: float = 0.02, **kwargs: object) -> None:
+    """Take ``pause`` seconds; record the job's start and end (the machine's monotonic clock,
+    which every process on it shares) in SPANS."""
+    ctx = current_job()
+    assert ctx is not None
+    started = time.monotonic()
+    time.sleep(pause)
+    ended = time.monotonic()
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO test_span (job_id, queue, lock_key, started, ended) "
+            "SELECT id, queue, lock_key, %s, %s FROM pgjobs_job WHERE id = %s",
+            [started, ended, ctx.id],
+        )
+
+
+@job
+def until_running(queue: str, count: int) -> None:
+    """Return once ``count`` jobs of ``queue`` are running at once, this one included (or
+    done since: the first to see it may finish before the others look)."""
+    from django_pgjobs.models import Job
+
+    wait_until(
+        lambda: Job.objects.filter(queue=queue, status__in=["running", "done"]).count() >= count,
+        interval=0.02,
+        message=f"{count} jobs of {queue} running at once",
+    )
 
 
 class Process:
@@ -225,15 +259,27 @@ class Process:
         ]
 
     def activity(self) -> dict[int, tuple[Any, ...]]:
-        """pid -> (state, state_change, query_start, wait_event_type) for each of this
-        process's connections, the LISTEN one included (one worker per test)."""
+        """pid -> (state, state_change, query_start) for each of this process's connections,
+        the LISTEN one included (one worker per test): what moves when a connection sends a
+        statement. The wait event is left out: an idle backend also wakes up without one
+        from its client (to take in a notification or a cache invalidation), and for that
+        instant shows no wait."""
         rows = query(
-            "SELECT pid, state, state_change, query_start, wait_event_type "
+            "SELECT pid, state, state_change, query_start "
             "FROM pg_stat_activity WHERE datname = current_database() "
             "AND application_name IN (%s, %s)",
             [self.app_name, LISTENER_APP],
         )
         return {row[0]: tuple(row[1:]) for row in rows}
+
+    def waits(self) -> set[str | None]:
+        """The wait event types its connections are in now."""
+        rows = query(
+            "SELECT wait_event_type FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name IN (%s, %s)",
+            [self.app_name, LISTENER_APP],
+        )
+        return {wait for (wait,) in rows}
 
     def sent(self, statement: str, *, waiting: bool = False) -> bool:
         """Whether the latest statement of one of its connections is ``statement`` (compared
@@ -423,3 +469,53 @@ def wait_done(job_id: int, timeout: float = PATIENCE) -> dict[str, Any]:
         message=f"job {job_id} to be done",
     )
     return job_row(job_id)
+
+
+@job
+def until_cancelled(email: str) -> None:
+    """Run until ``current_job()`` says the job must stop, then record why in an Order
+    (``email`` + ``:cancelled`` or ``:lost``) and return: a long job that stops cooperatively."""
+    from testproject.shop.models import Order
+
+    ctx = current_job()
+    assert ctx is not None
+    wait_until(lambda: ctx.should_stop, interval=0.05, message="the job to be told to stop")
+    Order.objects.create(email=f"{email}:{'cancelled' if ctx.cancelled else 'lost'}", total_cents=1)
+
+
+@job(max_attempts=1)
+def stuck_until_order(email: str) -> None:
+    """Block until the test creates an Order for ``email``, whatever the timeout says (a
+    thread cannot be killed); on seeing ``current_job().timed_out``, say so with an Order
+    for ``timed-out:<email>``."""
+    from testproject.shop.models import Order
+
+    ctx = current_job()
+    assert ctx is not None
+    reported = False
+
+    def released() -> bool:
+        nonlocal reported
+        if ctx.timed_out and not reported:
+            Order.objects.create(email=f"timed-out:{email}", total_cents=1)
+            reported = True
+        return Order.objects.filter(email=email).exists()
+
+    wait_until(released, interval=0.05, message=f"an order for {email}")
+
+
+@job
+def kill_worker() -> None:
+    """End the worker process at once, as an out-of-memory kill or a segfault would."""
+    os._exit(1)
+
+
+def _exit_instead_of_a_delay(attempt: int, exc: BaseException) -> float:
+    raise SystemExit(3)
+
+
+@job(max_attempts=2, backoff=_exit_instead_of_a_delay)
+def stuck_with_an_exiting_backoff(email: str) -> None:
+    """``stuck_until_order``, with a backoff callable that raises SystemExit: when the job
+    times out, that callable runs on the worker's completer thread."""
+    stuck_until_order.func(email=email)

@@ -1,13 +1,17 @@
 """The completer: records outcomes in batches, each row fenced, and keeps leases alive.
 
 Executors hand it outcomes; it writes all that are waiting with one statement per kind
-(complete, fail, release), so under load one round trip finishes many jobs and when idle
+(complete, fail, snooze, release), so under load one round trip finishes many jobs and when idle
 an outcome is written at once. A write that fails because the database is away is retried
 with backoff: a failed completion write is not a finished job. If it never succeeds, the
 lease expires and the reaper takes over.
 
 It is also the heartbeat: every running job's lease is extended about every lease/3; a
-job whose extension changes no row has been taken from us and is marked lost.
+job whose extension changes no row has been taken from us: it is marked cancelled when
+``Job.objects.cancel()`` did that, and lost otherwise. And it keeps the timeouts: a job still
+running at its deadline (start + timeout) is marked timed out, no longer heartbeated, and
+failed with ``JobTimeout``; the worker is told so it can replace the executor stuck in it.
+Deadlines and heartbeats share one wait, so an idle completer sleeps.
 """
 
 from __future__ import annotations
@@ -27,7 +31,16 @@ from django_pgjobs import conf
 from django_pgjobs.context import JobContext
 from django_pgjobs.lifecycle import ClaimedJob, FailedAttempt, Failure
 from django_pgjobs.worker.db import Backoff, unavailable
-from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, Outcome, WorkerStats, finished
+from django_pgjobs.worker.executor import timed_out
+from django_pgjobs.worker.outcomes import (
+    COMPLETE,
+    FAIL,
+    RELEASE,
+    SNOOZE,
+    Outcome,
+    WorkerStats,
+    finished,
+)
 from django_pgjobs.worker.store import Store
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -38,6 +51,12 @@ class _Running:
     job: ClaimedJob
     ctx: JobContext
     extended_at: float
+    # Monotonic time the job's timeout ends (inf: no timeout, heartbeated as long as it runs).
+    deadline: float = math.inf
+    # False once the job was taken from us (cancelled, or its lease lost) while it still runs:
+    # no heartbeat and no failure to write, but a job that hangs past its deadline still
+    # gets its executor abandoned and replaced.
+    ours: bool = True
 
 
 class Completer(threading.Thread):
@@ -48,11 +67,19 @@ class Completer(threading.Thread):
         stats: WorkerStats,
         worker_id: str,
         on_retry: Callable[[], None] | None = None,
+        on_timeout: Callable[[ClaimedJob], None] | None = None,
+        on_written: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="pgjobs-completer", daemon=True)
         self.store = store
-        # Called once a failed job is queued again: its retry sends no NOTIFY.
+        # Called once a failed (or snoozed) job is queued again: its retry sends no NOTIFY.
         self.on_retry = on_retry
+        # Called (on this thread) with each job that ran past its timeout, once its failure
+        # is queued for writing: its executor is stuck in it.
+        self.on_timeout = on_timeout
+        # Called (on this thread) after outcomes were written: a suspect waiting to run alone
+        # may start once every other outcome of its worker is in the table.
+        self.on_written = on_written
         self.lease = lease
         self.beat = lease.total_seconds() / 3
         self.stats = stats
@@ -77,6 +104,11 @@ class Completer(threading.Thread):
         with self._cond:
             return list(self._held.values())
 
+    def holds(self, job: ClaimedJob) -> bool:
+        """Whether ``job`` is still ours: claimed, and neither written nor taken from us."""
+        with self._cond:
+            return self._held.get(job.id) is job
+
     @property
     def last_failure(self) -> float:
         """Monotonic time of this completer's latest failed write (-inf: none yet).
@@ -85,9 +117,12 @@ class Completer(threading.Thread):
         worker reaps nothing until this is well in the past."""
         return self._last_failure
 
-    def track(self, job: ClaimedJob, ctx: JobContext) -> None:
+    def track(self, job: ClaimedJob, ctx: JobContext, *, timed: bool = True) -> None:
+        """Keep the job's lease alive from now on; with ``timed``, its timeout starts now."""
         with self._cond:
-            self._running[job.id] = _Running(job, ctx, time.monotonic())
+            now = time.monotonic()
+            deadline = now + job.timeout if timed and job.timeout is not None else math.inf
+            self._running[job.id] = _Running(job, ctx, now, deadline)
             self._cond.notify()
 
     def untrack(self, job: ClaimedJob) -> None:
@@ -118,11 +153,21 @@ class Completer(threading.Thread):
         try:
             while True:
                 with self._cond:
-                    while not (self._pending or self._closing or self._beat_due() <= 0):
-                        due = self._beat_due()
+                    while not (self._pending or self._closing or self._due() <= 0):
+                        due = self._due()
                         self._cond.wait(None if due == float("inf") else due)
-                    batch, self._pending = self._pending, []
+                    late = self._time_out()
                     closing = self._closing
+                # The failures are built here, without the lock: the job's retry policy (a
+                # backoff callable: user code) decides them.
+                failures = [timed_out(r.job, r.job.timeout or 0.0) for r in late if r.ours]
+                with self._cond:
+                    self._pending.extend(failures)
+                    batch, self._pending = self._pending, []
+                if self.on_timeout is not None:
+                    for running in late:
+                        self.on_timeout(running.job)
+                wrote = bool(batch)
                 try:
                     try:
                         self._write(batch)
@@ -141,6 +186,8 @@ class Completer(threading.Thread):
                         self._write_each(batch)
                     self._heartbeat()
                     backoff.succeeded(self.store.alias)
+                    if wrote and self.on_written is not None:
+                        self.on_written()
                 except ImproperlyConfigured:
                     logger.exception(
                         "completer stopped; %s outcomes not recorded (their leases will expire)",
@@ -187,46 +234,108 @@ class Completer(threading.Thread):
                 )
             batch.pop(0)
 
-    def _beat_due(self) -> float:
-        """Seconds until some running job's lease needs extending (inf when none runs)."""
+    def _due(self) -> float:
+        """Seconds until the next heartbeat or deadline (inf when neither is coming)."""
         if not self._running:
             return float("inf")
-        oldest = min(r.extended_at for r in self._running.values())
+        deadline = min(r.deadline for r in self._running.values())
+        return min(self._beat_due(), max(0.0, deadline - time.monotonic()))
+
+    def _time_out(self) -> list[_Running]:
+        """Take the jobs past their deadline off the running (called holding the lock);
+        return them. Those still ours are to be failed."""
+        now = time.monotonic()
+        late = [r for r in self._running.values() if r.deadline <= now]
+        for running in late:
+            del self._running[running.job.id]
+            if not running.ours:
+                continue
+            running.ctx.mark_timed_out()
+            logger.error(
+                "job %s %s attempt %s ran past its timeout of %g s: failing it",
+                running.job.id,
+                running.job.task,
+                running.job.attempts,
+                running.job.timeout,
+                extra={
+                    "action": "fail",
+                    "job_id": running.job.id,
+                    "task": running.job.task,
+                    "attempts": running.job.attempts,
+                    "worker_id": self.worker_id,
+                },
+            )
+        return late
+
+    def _beat_due(self) -> float:
+        """Seconds until some running job's lease needs extending (inf when none runs)."""
+        oldest = min((r.extended_at for r in self._running.values() if r.ours), default=None)
+        if oldest is None:
+            return float("inf")
         return max(0.0, oldest + self.beat - time.monotonic())
 
     def _write(self, batch: list[Outcome]) -> None:
-        # Each kind is removed from the batch as soon as its statement commits, so a retry
-        # after an outage never writes it twice.
-        for action in (COMPLETE, FAIL, RELEASE):
+        # Each kind is removed from the batch as soon as its statement commits, before
+        # anything else is asked of the database, so a retry after an outage never writes it
+        # twice.
+        for action in (COMPLETE, FAIL, SNOOZE, RELEASE):
             group = [o for o in batch if o.action == action]
             if not group:
                 continue
-            if action == COMPLETE:
-                done = self.store.complete(
-                    (o.job for o in group), {o.job.id: o.result for o in group}
-                )
-                self._finished(group, dict.fromkeys(done, "done"))
-            elif action == FAIL:
-                default = conf.backoff()
-                statuses = self.store.fail(
-                    [
-                        FailedAttempt(
-                            o.job, o.failure or Failure.of(""), o.backoff or default, o.final
-                        )
-                        for o in group
-                    ]
-                )
-                self._finished(group, statuses)
-            else:
-                for outage in (False, True):
-                    jobs = [o.job for o in group if o.outage == outage]
-                    if jobs:
-                        self.stats.add("released", len(self.store.release(jobs, outage=outage)))
-                self._forget(group)
+            statuses = self._write_group(action, group)
             batch[:] = [o for o in batch if o.action != action]
+            if statuses is None:
+                self._forget(group)
+            else:
+                self._finished(group, statuses)
+
+    def _write_group(self, action: str, group: list[Outcome]) -> dict[int, str] | None:
+        """Write one kind of outcome in one statement; the new status of each job it changed
+        (None for releases, which are only counted)."""
+        if action == COMPLETE:
+            done = self.store.complete((o.job for o in group), {o.job.id: o.result for o in group})
+            return dict.fromkeys(done, "done")
+        if action == FAIL:
+            default = conf.backoff()
+            return self.store.fail(
+                [
+                    FailedAttempt(
+                        o.job,
+                        o.failure or Failure.of(""),
+                        o.backoff or default,
+                        o.final,
+                        o.delay,
+                        o.jitter,
+                    )
+                    for o in group
+                ]
+            )
+        if action == SNOOZE:
+            snoozed = self.store.snooze([(o.job, o.delay or 0.0) for o in group])
+            return dict.fromkeys(snoozed, "queued")
+        for outage in (False, True):
+            jobs = [o.job for o in group if o.outage == outage]
+            if jobs:
+                self.stats.add("released", len(self.store.release(jobs, outage=outage)))
+        return None
 
     def _finished(self, group: list[Outcome], statuses: dict[int, str]) -> None:
         self._forget(group)
+        refused = [o.job for o in group if o.job.id not in statuses]
+        if refused:
+            # A job cancelled after its function returned but before a heartbeat noticed. The
+            # outcomes are already written: if this read fails, they are counted as lost.
+            try:
+                cancelled = self.store.cancelled_among(refused)
+            except Exception:
+                logger.warning(
+                    "could not tell whether %s refused outcomes were cancelled jobs",
+                    len(refused),
+                    exc_info=True,
+                    extra={"action": "cancel"},
+                )
+                cancelled = set()
+            statuses = statuses | dict.fromkeys(cancelled, "cancelled")
         for o in group:
             finished(o, statuses.get(o.job.id), stats=self.stats, worker_id=self.worker_id)
         if self.on_retry is not None and "queued" in statuses.values():
@@ -240,18 +349,26 @@ class Completer(threading.Thread):
     def _heartbeat(self) -> None:
         now = time.monotonic()
         with self._cond:
-            due = [r for r in self._running.values() if now - r.extended_at >= self.beat]
+            due = [r for r in self._running.values() if r.ours and now - r.extended_at >= self.beat]
         if not due:
             return
         kept = self.store.extend_lease([r.job for r in due], self.lease)
+        refused = [r for r in due if r.job.id not in kept]
+        # Only a refused extension asks why: a cancel, or a lease lost to the reaper.
+        cancelled = self.store.cancelled_among([r.job for r in refused]) if refused else set()
         for running in due:
             if running.job.id in kept:
                 running.extended_at = now
+                continue
+            if running.job.id in cancelled:
+                running.ctx.mark_cancelled()
             else:
                 running.ctx.mark_lost()
-                with self._cond:
+            with self._cond:
+                running.ours = False
+                if running.deadline == math.inf:
                     self._running.pop(running.job.id, None)
-                    self._held.pop(running.job.id, None)
+                self._held.pop(running.job.id, None)
 
     def _abandon(self) -> None:
         with self._cond:

@@ -21,10 +21,11 @@ from django.db import connections
 
 from django_pgjobs import registry, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
-from django_pgjobs.exceptions import InvalidPayload
+from django_pgjobs.exceptions import InvalidPayload, JobTimeout, Snooze, UnknownTask
 from django_pgjobs.lifecycle import ClaimedJob, Failure
+from django_pgjobs.registry import JobFunction
 from django_pgjobs.worker.db import queue_connection, queue_database_away
-from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, Outcome, WorkerStats
+from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, SNOOZE, Outcome, WorkerStats
 from django_pgjobs.worker.store import Store
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -58,11 +59,12 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     """Run the registered function with the payload as keyword arguments.
 
     A task whose result is kept must return a JSON value: anything else fails the attempt
-    with ``InvalidResult`` rather than crash the worker later, when it is written. Whatever
-    the job raises (``SystemExit`` included) is its failure, with one exception: a job that
-    failed because the queue's own database (``alias``) went away is released, its attempt
-    not counted, up to ``MAX_OUTAGE_RELEASES`` times. A payload that is not a JSON object
-    fails the job for good, at once.
+    with ``InvalidResult`` rather than crash the worker later, when it is written. A job that
+    raises ``Snooze`` is snoozed. Whatever else it raises (``SystemExit`` included) is its
+    failure, retried or not as ``decide()`` says, with one exception: a job that failed
+    because the queue's own database (``alias``) went away is released, its attempt not
+    counted, up to ``MAX_OUTAGE_RELEASES`` times. A payload that is not a JSON object fails
+    the job for good, at once.
     """
     if job.invalid_payload is not None:
         failure = Failure.from_exception(
@@ -70,17 +72,18 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
         )
         return Outcome(job, FAIL, failure=failure, final=True)
     token = set_current_job(ctx)
-    backoff = None
+    func = None
     before = queue_connection(alias)
     started = time.perf_counter()
     try:
         func = registry.get(job.task)
-        backoff = func.backoff
         value = func.func(**job.payload)
         if func.stores_result:
             validation.result(value)
         else:
             value = None
+    except Snooze as snooze:
+        return Outcome(job, SNOOZE, time.perf_counter() - started, delay=snooze.seconds)
     except BaseException as exc:
         duration = time.perf_counter() - started
         failure = Failure.from_exception(exc)
@@ -102,10 +105,81 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
                 job.outage_releases,
                 extra={"action": "fail", "job_id": job.id, "attempts": job.attempts},
             )
-        return Outcome(job, FAIL, duration, failure, backoff=backoff)
+        return failed(job, func, exc, failure, duration)
     finally:
         reset_current_job(token)
     return Outcome(job, COMPLETE, time.perf_counter() - started, result=value)
+
+
+def decide(
+    func: JobFunction[..., Any], exc: BaseException, attempt: int
+) -> tuple[bool, float | None]:
+    """The job's retry policy for ``exc``, raised by attempt number ``attempt``.
+
+    Returns ``(final, delay)``: ``final`` when the job must not be retried (a ``discard_on``
+    error, or, when ``retry_on`` is given, any error it does not name); ``delay`` the seconds
+    the job's backoff callable asks for, or None for the ``(base, cap)`` formula. A callable
+    that raises or returns anything but a timedelta or seconds from 0 to 100 years is logged
+    at ERROR and the default schedule is used (whatever it raised, ``SystemExit`` included):
+    the failure itself is still recorded.
+    """
+    if func.gives_up_on(exc):
+        return True, None
+    if func.backoff is None or isinstance(func.backoff, tuple):
+        return False, None
+    try:
+        return False, validation.seconds("backoff delay", func.backoff(attempt, exc))
+    except BaseException:
+        # SystemExit and KeyboardInterrupt too: this runs on an executor or the completer,
+        # never on the main thread where a signal's KeyboardInterrupt lands (runjobs handles
+        # SIGINT itself), so what the callable raised is its own bug, and letting it out would
+        # kill the thread that records outcomes.
+        logger.exception(
+            "backoff of %s failed for attempt %s; retrying on the default schedule",
+            func.name,
+            attempt,
+            extra={"action": "fail", "task": func.name, "attempts": attempt},
+        )
+        return False, None
+
+
+def failed(
+    job: ClaimedJob,
+    func: JobFunction[..., Any] | None,
+    exc: BaseException,
+    failure: Failure,
+    duration: float,
+) -> Outcome:
+    """A failed attempt, retried or not as the job's policy says (``decide()``); a task that
+    is not registered is retried on the default schedule."""
+    if func is None:
+        return Outcome(job, FAIL, duration, failure)
+    final, delay = decide(func, exc, job.attempts)
+    return Outcome(
+        job,
+        FAIL,
+        duration,
+        failure,
+        backoff=func.backoff if isinstance(func.backoff, tuple) else None,
+        final=final,
+        delay=delay,
+        jitter=func.backoff_jitter,
+    )
+
+
+def timed_out(job: ClaimedJob, duration: float = 0.0) -> Outcome:
+    """The failed attempt of a job that ran past its timeout: a ``JobTimeout``, retried or
+    not by the job's policy like any failure (``discard_on=(JobTimeout,)`` gives up at once)."""
+    error = JobTimeout(
+        f"job {job.id} ({job.task}) ran past its timeout of {job.timeout:g} s"
+        if job.timeout is not None
+        else f"job {job.id} ({job.task}) ran past its timeout"
+    )
+    try:
+        func: JobFunction[..., Any] | None = registry.get(job.task)
+    except UnknownTask:
+        func = None
+    return failed(job, func, error, Failure.from_exception(error), duration)
 
 
 def context(job: ClaimedJob) -> JobContext:
@@ -118,25 +192,49 @@ def context(job: ClaimedJob) -> JobContext:
         payload=job.payload,
         schedule=job.schedule,
         scheduled_at=job.scheduled_at,
+        timeout=job.timeout,
     )
 
 
 class Executor(threading.Thread):
+    """Runs hand-off items one at a time until it takes ``None``, or until it is abandoned:
+    its job ran past its timeout and a replacement took its slot, so when (if ever) the job
+    returns, the thread exits without freeing the slot again."""
+
     def __init__(
         self,
         index: int,
         handoff: queue.SimpleQueue[Any],
         mode: Mode,
-        on_done: Callable[[], None],
+        on_done: Callable[[Any], None],
     ) -> None:
         super().__init__(name=f"pgjobs-executor-{index}", daemon=True)
         self.handoff = handoff
         self.mode = mode
         self.on_done = on_done
+        # The item being run, and whether the worker gave up on it; one lock for both, so a
+        # job that returns just as it is abandoned frees its slot exactly once.
+        self._lock = threading.Lock()
+        self._current: Any = None
+        self._abandoned = False
+
+    def abandon(self, item: Any) -> bool:
+        """Give up on this thread if it is still running ``item``; True if it was."""
+        with self._lock:
+            if self._current is not item or item is None:
+                return False
+            self._abandoned = True
+            return True
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
 
     def run(self) -> None:
         try:
             while (item := self.handoff.get()) is not None:
+                with self._lock:
+                    self._current = item
                 try:
                     self.mode.execute(item)
                 except Exception:
@@ -144,6 +242,12 @@ class Executor(threading.Thread):
                     # reaper recover it; the executor must live on.
                     logger.exception("executor error on %r", item, extra={"action": "execute"})
                 finally:
-                    self.on_done()
+                    with self._lock:
+                        self._current = None
+                        abandoned = self._abandoned
+                    if not abandoned:
+                        self.on_done(item)
+                if abandoned:
+                    return
         finally:
             connections.close_all()

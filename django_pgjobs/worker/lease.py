@@ -3,6 +3,15 @@ outcome is written afterwards by the completer, fenced on the claim.
 
 The producer claims a batch and hands each job to an executor; an executor runs it while the
 completer keeps its lease alive, then passes the outcome to the completer.
+
+A job claimed with ``crashes`` > 0 (its last attempt ended with its worker dead) is a
+suspect: it may be what killed that worker. It runs alone: only an idle worker (nothing of
+its own claimed and not yet written) claims suspects at all, one job at a time, and once it has
+one it claims nothing more until the suspect's outcome is written. So if it kills this worker
+too, the crash is counted against it alone, and the jobs that merely ran beside it the first
+time clear their own count with their next attempt. A suspect never shares a claim, so nothing
+is given back for it (a release would lose the unique key the claim gave up). The price: under
+constant load a suspect waits ``queued`` until some worker drains.
 """
 
 from __future__ import annotations
@@ -23,25 +32,72 @@ class LeaseMode:
         self.store, self.lease, self.worker_id = shared.store, shared.lease, shared.worker_id
         self.stats, self.stopping, self.hand_out = shared.stats, shared.stopping, shared.hand_out
         self.completer = completer
+        # The suspect running alone, until its outcome is written.
+        self.solo: ClaimedJob | None = None
+        # The queues whose latest claim, made while busy, left suspects out.
+        self.skipped: set[str] = set()
 
-    def dispatch(self, queue_name: str, wanted: int) -> int:
+    def dispatch(self, queue_name: str, wanted: int, guarded: bool = False) -> int:
         """Claim up to ``wanted`` jobs of ``queue_name`` and hand them out; return how many.
+        ``guarded``: through the guarded claim (the queue has a limit, or jobs with lock keys).
 
         Jobs of a claim that returns after stop was requested are given back instead, not
         started and their attempt not counted. The decision is taken here, as the claim
         returns, not when an executor picks a job up: a job handed out before the stop runs
-        however late its executor thread gets to it.
+        however late its executor thread gets to it. An idle worker claims one job first,
+        suspects included: a suspect then runs alone; any other job is handed out at once and
+        the rest of the batch is claimed without suspects, as a busy worker claims.
         """
-        jobs = self.store.claim(queue_name, wanted, self.lease, self.worker_id)
+        if self.completer.held():
+            return self._claim(queue_name, wanted, suspects=False, guarded=guarded)
+        self.skipped.discard(queue_name)
+        first = self._claim(queue_name, 1, suspects=True, guarded=guarded)
+        if not first or self.solo is not None or wanted == 1 or self.stopping.is_set():
+            return first
+        return first + self._claim(queue_name, wanted - 1, suspects=False, guarded=guarded)
+
+    def _claim(self, queue_name: str, wanted: int, *, suspects: bool, guarded: bool) -> int:
+        jobs = self.store.claim(
+            queue_name, wanted, self.lease, self.worker_id, suspects=suspects, guarded=guarded
+        )
+        if not suspects:
+            self.skipped.add(queue_name)
         self.completer.hold(jobs)
         if self.stopping.is_set():
             for job in jobs:
                 self.completer.record(Outcome(job, RELEASE))
-        else:
-            self.hand_out(*jobs)
+            return len(jobs)
+        for job in jobs:
+            if job.crashes > 0:
+                logger.info(
+                    "job %s %s attempt %s: its last attempt ended with its worker dead (%s "
+                    "time(s) in a row); running it alone",
+                    job.id,
+                    job.task,
+                    job.attempts,
+                    job.crashes,
+                    extra={"action": "claim", "job_id": job.id, "worker_id": self.worker_id},
+                )
+                self.solo = job
+        self.hand_out(*jobs)
         return len(jobs)
 
+    def passed_over(self) -> bool:
+        """Whether a claim made while busy left suspects out, and the worker is idle now: the
+        next claim may take them (a burst must make it before it ends)."""
+        return bool(self.skipped) and not self.completer.held()
+
+    def isolating(self) -> bool:
+        """Whether a suspect runs alone (the producer claims nothing then): until its outcome
+        is in the table, or its lease was lost."""
+        if self.solo is not None and not self.completer.holds(self.solo):
+            self.solo = None
+        return self.solo is not None
+
     def execute(self, job: ClaimedJob) -> None:
+        if not self.completer.holds(job):
+            # Cancelled (or its lease lost) before an executor got to it: it is not ours.
+            return
         ctx = context(job)
         self.completer.track(job, ctx)
         try:
@@ -54,14 +110,36 @@ class LeaseMode:
             reset_all()
         else:
             tidy()
+        if ctx.timed_out:
+            # Its JobTimeout failure is already written, its slot already given to another
+            # executor: what it did now is too late to count.
+            self._not_recorded(job, logging.WARNING, "returned after its timeout", "fail")
+            return
+        if ctx.cancelled:
+            self.stats.add("cancelled")
+            self._not_recorded(job, logging.INFO, "was cancelled while running", "cancel")
+            return
         if ctx.lost:
             self.stats.add("lost")
-            logger.warning(
-                "job %s %s attempt %s lost its lease while running; outcome not recorded",
-                job.id,
-                job.task,
-                job.attempts,
-                extra={"action": "extend_lease", "job_id": job.id, "attempts": job.attempts},
-            )
+            self._not_recorded(job, logging.WARNING, "lost its lease while running", "extend_lease")
             return
         self.completer.record(outcome)
+
+    def _not_recorded(self, job: ClaimedJob, level: int, what: str, action: str) -> None:
+        """The log line of a job whose function returned but whose outcome is not written."""
+        logger.log(
+            level,
+            "job %s %s attempt %s %s; outcome not recorded",
+            job.id,
+            job.task,
+            job.attempts,
+            what,
+            extra={
+                "action": action,
+                "job_id": job.id,
+                "task": job.task,
+                "queue": job.queue,
+                "attempts": job.attempts,
+                "worker_id": self.worker_id,
+            },
+        )

@@ -12,15 +12,18 @@ from django_pgjobs.lifecycle import ClaimedJob, Failure, last_line
 
 logger = logging.getLogger("django_pgjobs.worker")
 
-COMPLETE, FAIL, RELEASE = "complete", "fail", "release"
+COMPLETE, FAIL, RELEASE, SNOOZE = "complete", "fail", "release", "snooze"
 
 
 @dataclass
 class Outcome:
-    """What to write for one job: complete (with its result), fail, or release.
+    """What to write for one job: complete (with its result), fail, release or snooze.
 
     A ``final`` failure fails the job for good whatever attempts it has left (a payload that
-    can never run); an ``outage`` release is counted in the job's ``outage_releases``.
+    can never run, an error the job's ``discard_on`` or ``retry_on`` gives up on); an
+    ``outage`` release is counted in the job's ``outage_releases``. ``delay`` (seconds) is a
+    snooze's, or a failure's from the job's backoff callable (None: the ``backoff`` formula);
+    ``jitter`` spreads a failure's delay.
     """
 
     job: ClaimedJob
@@ -31,6 +34,8 @@ class Outcome:
     backoff: tuple[float, float] | None = None
     final: bool = False
     outage: bool = False
+    delay: float | None = None
+    jitter: bool = False
 
 
 @dataclass
@@ -41,14 +46,19 @@ class WorkerStats:
     done: int = 0
     retried: int = 0
     failed: int = 0
+    snoozed: int = 0
     released: int = 0
     lost: int = 0
+    # Jobs cancelled (Job.objects.cancel) while this worker ran them: nothing recorded.
+    cancelled: int = 0
     reaped: int = 0
+    # Executor threads given up on because their job ran past its timeout.
+    abandoned: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def ran(self) -> int:
-        return self.done + self.retried + self.failed + self.lost
+        return self.done + self.retried + self.failed + self.snoozed + self.lost + self.cancelled
 
     def add(self, name: str, count: int = 1) -> None:
         if name not in _COUNTER_NAMES:
@@ -57,23 +67,30 @@ class WorkerStats:
             setattr(self, name, getattr(self, name) + count)
 
     def summary(self) -> str:
+        # Snoozes and abandoned executors are named only when there were some.
+        snoozed = f", {self.snoozed} snoozed" if self.snoozed else ""
+        abandoned = f"; {self.abandoned} executors abandoned" if self.abandoned else ""
         return (
             f"ran {self.ran} jobs: {self.done} done, {self.retried} to retry, "
-            f"{self.failed} failed, {self.lost} lost; {self.released} released, "
-            f"{self.reaped} reaped"
+            f"{self.failed} failed, {self.lost} lost, {self.cancelled} cancelled{snoozed}; "
+            f"{self.released} released, {self.reaped} reaped{abandoned}"
         )
 
 
-# The status a fenced write left the job in -> what became of it; None: the fence refused us.
-OUTCOMES = {"done": "done", "queued": "retry", "failed": "failed"}
+# The status a fenced write left the job in -> what became of it; None: the fence refused us
+# ("cancelled": it refused us because the job was cancelled while it ran).
+OUTCOMES = {"done": "done", "queued": "retry", "failed": "failed", "cancelled": "cancelled"}
 COUNTERS = {
     "done": "done",
     "retry": "retried",
     "failed": "failed",
+    "snoozed": "snoozed",
     "lost": "lost",
+    "cancelled": "cancelled",
     "claimed": "claimed",
     "released": "released",
     "reaped": "reaped",
+    "abandoned": "abandoned",
 }
 _COUNTER_NAMES = frozenset(COUNTERS.values())
 
@@ -81,6 +98,8 @@ _COUNTER_NAMES = frozenset(COUNTERS.values())
 def finished(outcome: Outcome, status: str | None, *, stats: WorkerStats, worker_id: str) -> None:
     """Count and log a job whose outcome was written (``status`` None: fenced out)."""
     result = OUTCOMES.get(status or "", "lost")
+    if outcome.action == SNOOZE and status == "queued":
+        result = "snoozed"
     stats.add(COUNTERS[result])
     error = outcome.failure.traceback if outcome.failure else None
     log_outcome(outcome.job, result, outcome.duration, worker_id, error)

@@ -9,13 +9,13 @@ the thread's Django connection, inside the job's transaction, with the server's 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections
 
-from django_pgjobs import lifecycle, schedules, sql
+from django_pgjobs import conf, lifecycle, schedules, sql
 from django_pgjobs.connections import DirectConnections
 from django_pgjobs.lifecycle import Claim, ClaimedJob, FailedAttempt, Reaped
 
@@ -24,9 +24,19 @@ class Store:
     """The worker's statements on ``alias``: on direct connections when ``direct``."""
 
     def __init__(
-        self, alias: str, *, direct: bool, synchronous_commit: str | None, prepare: bool
+        self,
+        alias: str,
+        *,
+        direct: bool,
+        synchronous_commit: str | None,
+        prepare: bool,
+        tasks: Sequence[str] | None = None,
     ) -> None:
         self.alias = alias
+        # The tasks the claims may take (the worker's registry), or None for any; as the
+        # claims send them.
+        self.tasks = tasks
+        self._tasks = None if tasks is None else sql.TextArray.of(tasks)
         self.synchronous_commit = synchronous_commit
         self.direct = DirectConnections(alias, prepare=prepare) if direct else None
 
@@ -44,7 +54,16 @@ class Store:
         if self.direct is not None:
             self.direct.close()
 
-    def claim(self, queue: str, limit: int, lease: timedelta, worker_id: str) -> list[ClaimedJob]:
+    def claim(
+        self,
+        queue: str,
+        limit: int,
+        lease: timedelta,
+        worker_id: str,
+        *,
+        suspects: bool = True,
+        guarded: bool = False,
+    ) -> list[ClaimedJob]:
         connection, commit = self._connection()
         return lifecycle.claim(
             connection,
@@ -53,6 +72,9 @@ class Store:
             lease=lease,
             worker_id=worker_id,
             synchronous_commit=commit,
+            suspects=suspects,
+            tasks=self._tasks,
+            guarded=guarded,
         )
 
     def complete(self, jobs: Iterable[Claim], results: dict[int, Any]) -> set[int]:
@@ -63,6 +85,10 @@ class Store:
         connection, commit = self._connection()
         return lifecycle.fail(connection, attempts, synchronous_commit=commit)
 
+    def snooze(self, snoozes: Sequence[tuple[Claim, float]]) -> set[int]:
+        connection, commit = self._connection()
+        return lifecycle.snooze(connection, snoozes, synchronous_commit=commit)
+
     def release(self, jobs: Iterable[Claim], *, outage: bool = False) -> set[int]:
         connection, commit = self._connection()
         return lifecycle.release(connection, jobs, outage=outage, synchronous_commit=commit)
@@ -71,11 +97,22 @@ class Store:
         connection, commit = self._connection()
         return lifecycle.extend_lease(connection, jobs, lease, synchronous_commit=commit)
 
-    def reap(self) -> list[Reaped]:
-        return lifecycle.reap(self._connection()[0])
+    def cancelled_among(self, jobs: Collection[Claim]) -> set[int]:
+        return lifecycle.cancelled_among(self._connection()[0], jobs)
 
-    def seconds_until_due(self, queues: Sequence[str]) -> float | None:
-        return lifecycle.seconds_until_due(self._connection()[0], queues)
+    def reap(self) -> list[Reaped]:
+        return lifecycle.reap(self._connection()[0], max_crashes=conf.max_crashes())
+
+    def outlook(self, queues: Sequence[str]) -> lifecycle.Outlook:
+        return lifecycle.outlook(self._connection()[0], queues)
+
+    def beat(self, record: Mapping[str, Any]) -> None:
+        """Write this worker's registry row (``sql.WORKER_BEAT``), or refresh it."""
+        sql.run(self._connection()[0], sql.WORKER_BEAT, record)
+
+    def gone(self, worker_id: str) -> None:
+        """Delete this worker's registry row (a clean exit)."""
+        sql.run(self._connection()[0], sql.WORKER_GONE, {"worker_id": worker_id})
 
     def database_now(self) -> datetime:
         return schedules.database_now(self._connection()[0])

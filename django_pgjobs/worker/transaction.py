@@ -2,8 +2,8 @@
 
 The producer hands out tickets ("claim one job of this queue and run it"); an executor opens
 a transaction on its own connection, claims one job in it, runs the job in a savepoint
-(rolled back if the job fails) and writes the outcome before committing. A crash rolls the
-claim back with everything else, so no lease is needed to recover it.
+(rolled back if the job fails or snoozes) and writes the outcome before committing. A crash
+rolls the claim back with everything else, so no lease is needed to recover it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ from django.db import DatabaseError, transaction
 from django_pgjobs import conf
 from django_pgjobs.lifecycle import FailedAttempt
 from django_pgjobs.worker.db import reset, tidy, unavailable
-from django_pgjobs.worker.executor import Shared, call, context
-from django_pgjobs.worker.outcomes import RELEASE, Outcome, finished
+from django_pgjobs.worker.executor import Shared, call, context, timed_out
+from django_pgjobs.worker.outcomes import RELEASE, SNOOZE, Outcome, finished
+
+
+def past_timeout(outcome: Outcome) -> bool:
+    """Whether the job returned after its timeout (nothing could stop it sooner here)."""
+    timeout = outcome.job.timeout
+    return timeout is not None and outcome.duration > timeout
 
 
 @dataclass
@@ -38,8 +44,13 @@ class TransactionMode:
         # Called when a failed job is queued again: its retry sends no NOTIFY.
         self.on_retry = on_retry
 
-    def dispatch(self, queue_name: str, wanted: int) -> int:
-        """Hand out ``wanted`` tickets and wait until each has claimed (or found nothing)."""
+    def dispatch(self, queue_name: str, wanted: int, guarded: bool = False) -> int:
+        """Hand out ``wanted`` tickets and wait until each has claimed (or found nothing).
+
+        Always the plain claim, whatever ``guarded`` says: a job running in its claim's
+        transaction is ``running`` to no one else, so no other claim could count it against a
+        limit or a lock key. Jobs with a lock key and the jobs of a limited queue are left to
+        lease-mode workers."""
         tickets = [Ticket(queue_name) for _ in range(wanted)]
         self.hand_out(*tickets)
         for ticket in tickets:
@@ -64,7 +75,12 @@ class TransactionMode:
                     return
                 with transaction.atomic(using=alias):
                     outcome = call(jobs[0], context(jobs[0]), alias)
-                    if outcome.failure:
+                    if outcome.action != RELEASE and past_timeout(outcome):
+                        # Nothing could stop it while it ran (it holds its row's lock in
+                        # this transaction); what it did is rolled back, the attempt failed.
+                        outcome = timed_out(outcome.job, outcome.duration)
+                    # A snooze is "not now": the job's writes go, as a failure's do.
+                    if outcome.failure or outcome.action == SNOOZE:
                         transaction.set_rollback(True, using=alias)
                 if outcome.action == RELEASE:
                     # Roll the claim back with the rest: the attempt is not counted.
@@ -86,9 +102,16 @@ class TransactionMode:
 
     def _finish(self, outcome: Outcome) -> str | None:
         job = outcome.job
+        if outcome.action == SNOOZE:
+            return "queued" if self.store.snooze([(job, outcome.delay or 0.0)]) else None
         if outcome.failure:
             attempt = FailedAttempt(
-                job, outcome.failure, outcome.backoff or conf.backoff(), outcome.final
+                job,
+                outcome.failure,
+                outcome.backoff or conf.backoff(),
+                outcome.final,
+                outcome.delay,
+                outcome.jitter,
             )
             return self.store.fail([attempt]).get(job.id)
         done = self.store.complete([job], {job.id: outcome.result})

@@ -10,22 +10,27 @@ shorter of its poll and reap intervals: serverless Postgres may suspend in betwe
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import logging
 import math
 import os
 import queue
 import signal
+import socket
 import threading
 import time
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from types import FrameType
 from typing import Any
 
 import psycopg
 from django.db import DatabaseError, connections
 
-from django_pgjobs import conf, lifecycle, schedules, validation
+import django_pgjobs
+from django_pgjobs import conf, lifecycle, registry, schedules, validation
 from django_pgjobs.connections import connection_params
 from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.notify import Listener
@@ -44,20 +49,34 @@ __all__ = ["Worker", "WorkerStats"]
 
 # Seconds a worker exiting at once (a second signal) may spend ending its jobs' leases.
 EXIT_TIMEOUT = 3
+# Seconds between two looks at an executor the shutdown waits for (was it abandoned since?).
+SHUTDOWN_STEP = 0.1
+# runjobs's exit status once more than PGJOBS["MAX_STUCK_EXECUTORS"] executor threads are
+# stuck in jobs past their timeout (EX_TEMPFAIL: start a fresh process).
+EXIT_STUCK = 75
+# A worker's registry row outlives its latest beat by this many of its ticks (a busy machine
+# may run a tick late), then the reaper clears it.
+BEATS_TO_EXPIRY = 3
+# The slots of the queues that share the worker's --concurrency.
+SHARED = ""
 
 
 class Worker:
     """Run jobs from ``queues`` until stopped (or, with ``burst``, until none is ready).
 
-    Every option defaults to its ``PGJOBS`` setting. ``run()`` returns the run's
-    ``WorkerStats``; ``stop()`` (or SIGTERM/SIGINT once ``install_signal_handlers()`` was
-    called) begins a graceful shutdown, a second signal exits the process at once. With
-    ``schedule`` (the default) it also enqueues the ticks of the periodic schedules.
+    ``queues`` is a list of names, each optionally ``NAME=N`` (this worker runs at most N of
+    that queue's jobs at once, in slots of its own), or a mapping of names to N (``None``:
+    the shared ``concurrency``). Every option defaults to its ``PGJOBS`` setting. With
+    ``registered_only`` (``PGJOBS["CLAIM_REGISTERED_ONLY"]``) the claims take only jobs whose
+    task this process has registered. ``run()`` returns the run's ``WorkerStats``;
+    ``stop()`` (or SIGTERM/SIGINT once ``install_signal_handlers()`` was called) begins a
+    graceful shutdown, a second signal exits the process at once. With ``schedule`` (the
+    default) it also enqueues the ticks of the periodic schedules.
     """
 
     def __init__(
         self,
-        queues: Sequence[str] | None = None,
+        queues: Sequence[str] | Mapping[str, int | None] | None = None,
         *,
         concurrency: int | None = None,
         batch_size: int | None = None,
@@ -71,10 +90,24 @@ class Worker:
         listen_database: str | None = None,
         shutdown_timeout: float | None = None,
         schedule: bool = True,
+        max_stuck_executors: int | None = None,
+        registered_only: bool | None = None,
     ) -> None:
-        self.queues = [validation.queue_name(q) for q in (queues or [conf.default_queue()])]
+        # Each queue's own slot limit in this process (None: it shares `concurrency`).
+        self.limits = validation.queue_limits(queues or [conf.default_queue()])
+        self.queues = list(self.limits)
         self.concurrency = validation.positive_int(
             "concurrency", conf.concurrency() if concurrency is None else concurrency
+        )
+        # Slots per pool: one per queue with its own limit, one shared by the others.
+        self._slots = {q: n for q, n in self.limits.items() if n is not None}
+        if None in self.limits.values():
+            self._slots[SHARED] = self.concurrency
+        self._busy = dict.fromkeys(self._slots, 0)
+        self.registered_only = (
+            conf.claim_registered_only()
+            if registered_only is None
+            else validation.choice("registered_only", registered_only, (True, False))
         )
         self.batch_size = validation.positive_int(
             "batch_size", conf.batch_size() if batch_size is None else batch_size
@@ -118,6 +151,7 @@ class Worker:
             direct=lease_mode,
             synchronous_commit=conf.worker_synchronous_commit() if lease_mode else None,
             prepare=conf.prepare(),
+            tasks=registry.names() if self.registered_only else None,
         )
         self.worker_id = default_worker_id()
         # Invalid schedules stop the start (ImproperlyConfigured), as `manage.py check` would.
@@ -132,6 +166,26 @@ class Worker:
         self._next_queue = 0
         self._lock = threading.Lock()
         self._inflight = 0
+        self.max_stuck = (
+            conf.max_stuck_executors()
+            if max_stuck_executors is None
+            else validation.positive_int("max_stuck_executors", max_stuck_executors)
+        )
+        self._executors: list[Executor] = []
+        # Numbers for the replacements of abandoned executors (the first are 0 .. N-1).
+        self._serial = itertools.count(sum(self._slots.values()))
+        # The queues to claim through the guarded claim (a limit, or jobs with lock keys), as
+        # the latest outlook saw them.
+        self._guarded: frozenset[str] = frozenset()
+        # Set when the next claim may find what the last one could not: a slot freed in a
+        # pool that was full (its queues were not asked), or an outcome written while some
+        # queue is guarded (the finished job's place under a limit, or its key, is free).
+        self._freed = False
+        self._started_at = datetime.now(dt_timezone.utc)
+        self._lease_mode: LeaseMode | None = None
+        # Set once too many executors are stuck in jobs past their timeout: runjobs then
+        # exits with EXIT_STUCK so that its supervisor starts a clean process.
+        self.stuck = False
 
     # -- control -------------------------------------------------------------------------
 
@@ -148,6 +202,9 @@ class Worker:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals += 1
         name = signal.Signals(signum).name
+        if self._signals > 2:
+            # A third signal interrupts the second's exit (in _expire_held): let it finish.
+            return
         if self._signals > 1:
             try:
                 expired = self._expire_held()
@@ -175,7 +232,8 @@ class Worker:
             threading.Thread(target=self.stop, name="pgjobs-stop", daemon=True).start()
 
     def _expire_held(self) -> int:
-        """End the leases of every job this worker holds, so the next reap requeues them.
+        """End the leases of every job this worker holds, so the next reap requeues them
+        (with no crash counted: sql.EXPIRE_LEASE).
 
         One fenced statement on a fresh connection (the producer's may be mid-statement under
         this signal handler), bounded to a few seconds: an exit at once must not hang on an
@@ -204,6 +262,17 @@ class Worker:
         self._notified += 1
         self._wake.set()
 
+    def _on_written(self) -> None:
+        # Outcomes reached the table: the suspect running alone may have finished. (Suspects
+        # a busy claim left queued wait for the next tick, as reaped jobs always do, or, in a
+        # burst, for the claim before it ends.) Under a guarded queue's limit, or for a lock
+        # key, the finished job counts until its outcome is committed: claim again now.
+        if self._guarded:
+            self._freed = True
+            self._wake.set()
+        elif self._lease_mode is not None and self._lease_mode.solo is not None:
+            self._wake.set()
+
     def _on_retry(self) -> None:
         # A failed job was queued again, for later: like a NOTIFY, it makes the producer claim
         # (nothing yet), after which it learns when the retry comes due and wakes then.
@@ -216,7 +285,7 @@ class Worker:
             "worker %s starting: queues %s, %s mode, concurrency %s, batch %s, lease %.0f s, "
             "poll %.0f s, reap %s",
             self.worker_id,
-            ",".join(self.queues),
+            ",".join(q if n is None else f"{q}={n}" for q, n in self.limits.items()),
             self.mode,
             self.concurrency,
             self.batch_size,
@@ -227,14 +296,21 @@ class Worker:
         )
         started = time.monotonic()
         completer = Completer(
-            self.store, self.lease, self.stats, self.worker_id, on_retry=self._on_retry
+            self.store,
+            self.lease,
+            self.stats,
+            self.worker_id,
+            on_retry=self._on_retry,
+            on_timeout=self._on_timeout,
+            on_written=self._on_written,
         )
         self._completer = completer
         self._mode = self._make_mode(completer)
-        executors = [
+        executors = self._executors
+        executors.extend(
             Executor(i, self._handoff, self._mode, on_done=self._job_done)
-            for i in range(self.concurrency)
-        ]
+            for i in range(sum(self._slots.values()))
+        )
         listener = None
         if not self.burst:
             listener = Listener(self.listen_database, self.queues, self._on_notify)
@@ -255,11 +331,13 @@ class Worker:
             self._produce(completer, listener, scheduler)
         finally:
             self._shut_down(executors, completer, listener)
+        stuck = self._stuck()
         logger.info(
-            "worker %s stopped after %.1f s: %s",
+            "worker %s stopped after %.1f s: %s%s",
             self.worker_id,
             time.monotonic() - started,
             self.stats.summary(),
+            f" ({stuck} still stuck)" if stuck else "",
             extra={"action": "stop", "worker_id": self.worker_id},
         )
         return self.stats
@@ -280,6 +358,7 @@ class Worker:
         last_reap = -math.inf
         next_due: float | None = None
         maybe_more = True
+        look = True  # the outlook is due after the next claim
         notified = self._notified
         while True:
             # Clear before looking at the stop flag: stop() sets the flag, then the wake-up,
@@ -297,9 +376,11 @@ class Worker:
             timed = now >= next_tick
             if timed:
                 next_tick = now + tick
-                maybe_more = True
+                maybe_more = look = True
                 if listener is not None:
                     listener.probe()
+            if self._freed:
+                maybe_more, self._freed = True, False
             if next_due is not None and now >= next_due:
                 maybe_more, next_due = True, None
             try:
@@ -308,6 +389,8 @@ class Worker:
                 # or write): its own and every other worker's outcomes and lease extensions
                 # go first, or jobs that ran to the end would be failed as expired.
                 settled = now - max(failed_at, completer.last_failure) >= settle
+                if timed:
+                    self.store.beat(self._record(tick))
                 if timed and reap and settled:
                     last_reap = now
                     reaped = self.store.reap()
@@ -315,17 +398,29 @@ class Worker:
                     # A requeued job sends no NOTIFY: the claim below looks for it now.
                 if scheduler is not None and (scheduler.next_step or 0.0) <= now:
                     scheduler.step()
-                free = self.concurrency - self._inflight
+                free = sum(self._slots.values()) - self._inflight
+                if self.burst and self._lease_mode is not None and self._lease_mode.passed_over():
+                    maybe_more = True
+                if self._lease_mode is not None and self._lease_mode.isolating():
+                    # A suspect runs alone. Look again once it has finished.
+                    free, maybe_more = 0, True
                 if self.max_jobs is not None:
                     free = min(free, self.max_jobs - self.stats.claimed)
                 got = 0
                 if (maybe_more or self.burst) and free > 0:
                     wanted = min(free, self.batch_size)
-                    got = self._dispatch(wanted)
-                    maybe_more = got == wanted
-                    if got < wanted and not self.burst:
-                        # Deferred jobs and retries send no NOTIFY when they come due.
-                        next_due = self._next_due()
+                    got, maybe_more = self._dispatch(wanted)
+                    if got < wanted or look:
+                        # Deferred jobs and retries send no NOTIFY when they come due; jobs
+                        # with lock keys and limited queues are not the plain claim's (a busy
+                        # worker looks after its first claim of each tick, so keyed jobs do
+                        # not wait for a lull).
+                        look = False
+                        guarded = self._guarded
+                        next_due = self._look()
+                        if self._guarded - guarded:
+                            maybe_more = True
+                            continue
                     backoff.succeeded(self.database)
                     if got:
                         continue
@@ -337,27 +432,115 @@ class Worker:
                 self.store.close()
                 backoff.failed(self.database, exc, self.stopping)
                 continue
+            # A burst ends on an empty claim, unless it was a busy one that left suspects out.
+            lease_mode = self._lease_mode
+            passed_over = lease_mode is not None and bool(lease_mode.skipped)
             if self._inflight == 0 and (
-                (self.burst and got == 0 and free > 0) or self.max_jobs == self.stats.claimed
+                (self.burst and got == 0 and free > 0 and not passed_over)
+                or self.max_jobs == self.stats.claimed
             ):
                 return
             ticks_at = scheduler.next_step if scheduler is not None else None
             wake_at = min(t for t in (next_tick, next_due, ticks_at) if t is not None)
             self._wake.wait(max(0.0, wake_at - time.monotonic()))
 
-    def _next_due(self) -> float | None:
-        """Monotonic time when the earliest deferred job of our queues comes due, if any."""
-        seconds = self.store.seconds_until_due(self.queues)
-        return None if seconds is None else time.monotonic() + seconds
+    def _look(self) -> float | None:
+        """Learn which of our queues need the guarded claim; return the monotonic time when
+        a claim may find more (a deferred job comes due, a full rate window has room), if
+        any."""
+        outlook = self.store.outlook(self.queues)
+        self._guarded = outlook.guarded
+        times = [t for t in (outlook.due, outlook.rate_free) if t is not None]
+        return time.monotonic() + min(times) if times else None
 
-    def _job_done(self) -> None:
+    def _record(self, tick: float) -> dict[str, Any]:
+        """This worker's registry row (``sql.WORKER_BEAT``)."""
+        return {
+            "worker_id": self.worker_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "mode": self.mode,
+            "queues": json.dumps(self.limits),
+            "tasks": self.store.tasks,
+            "version": django_pgjobs.__version__,
+            "started_at": self._started_at,
+            "ttl": timedelta(seconds=BEATS_TO_EXPIRY * tick + self.lease.total_seconds()),
+        }
+
+    def _stuck(self) -> int:
+        """Abandoned executor threads still alive (stuck in a job past its timeout)."""
+        return sum(e.abandoned and e.is_alive() for e in self._executors)
+
+    def _on_timeout(self, job: Any) -> None:
+        """A job ran past its timeout (its failure is on its way): replace its executor.
+
+        Called on the completer's thread. The stuck thread keeps running (Python cannot kill
+        it) but will record nothing and exit if the job ever returns; a new executor takes its
+        slot so throughput goes on. Past ``max_stuck`` live stuck threads, stop: the process
+        is leaking threads (and maybe connections and locks), and only a restart frees them.
+        """
+        executor = next((e for e in self._executors if e.abandon(job)), None)
+        if executor is None:
+            return  # it returned just in time; it frees its own slot
+        self.stats.add("abandoned")
+        # Under the lock _shut_down takes to send the executors their sentinels: once it
+        # has, no replacement starts (it would wait for an item forever).
+        with self._lock:
+            # Forget the abandoned threads that have ended since: a long-lived worker with many
+            # timeouts must not keep (and scan) every one it ever had.
+            self._executors[:] = [e for e in self._executors if e.is_alive() or not e.abandoned]
+            replaced = not self.stopping.is_set()
+            if replaced:
+                replacement = Executor(
+                    next(self._serial), self._handoff, self._mode, on_done=self._job_done
+                )
+                self._executors.append(replacement)
+                replacement.start()
+        logger.warning(
+            "job %s %s attempt %s: its executor thread %s is abandoned (a thread cannot be "
+            "killed)%s",
+            job.id,
+            job.task,
+            job.attempts,
+            executor.name,
+            "; a new one takes its slot" if replaced else "",
+            extra={"action": "fail", "job_id": job.id, "worker_id": self.worker_id},
+        )
+        self._job_done(job)
+        stuck = self._stuck()
+        if stuck > self.max_stuck and not self.stuck:
+            self.stuck = True
+            logger.error(
+                "worker %s has %s executor threads stuck in jobs that ran past their timeout "
+                "(PGJOBS['MAX_STUCK_EXECUTORS'] is %s): stopping claims and exiting with "
+                "status %s so that a fresh process replaces this one",
+                self.worker_id,
+                stuck,
+                self.max_stuck,
+                EXIT_STUCK,
+                extra={"action": "shutdown", "worker_id": self.worker_id},
+            )
+            self.stop()
+
+    def _pool(self, queue_name: str) -> str:
+        """The slots a queue's jobs run in: its own, or the shared ones."""
+        return queue_name if queue_name in self._slots else SHARED
+
+    def _job_done(self, item: Any) -> None:
+        pool = self._pool(item.queue)
         with self._lock:
             self._inflight -= 1
+            if self._busy[pool] == self._slots[pool]:
+                # Its queues were passed over while the pool was full.
+                self._freed = True
+            self._busy[pool] -= 1
         self._wake.set()
 
     def _hand_out(self, *items: Any) -> None:
         with self._lock:
             self._inflight += len(items)
+            for item in items:
+                self._busy[self._pool(item.queue)] += 1
         for item in items:
             self._handoff.put(item)
 
@@ -366,49 +549,85 @@ class Worker:
             self.store, self.lease, self.worker_id, self.stats, self.stopping, self._hand_out
         )
         if self.mode == "lease":
-            return LeaseMode(shared, completer)
+            self._lease_mode = LeaseMode(shared, completer)
+            return self._lease_mode
         return TransactionMode(shared, on_retry=self._on_retry)
 
-    def _dispatch(self, wanted: int) -> int:
-        """Claim up to ``wanted`` jobs across our queues (round robin); hand them out.
+    def _dispatch(self, budget: int) -> tuple[int, bool]:
+        """Claim up to ``budget`` jobs across our queues (round robin), each queue no more
+        than its slots have free; hand them out. Returns how many were claimed, and whether
+        a queue gave all that was asked of it (it may hold more).
 
         No claim starts once stop was requested (the mode gives back what a claim already
         under way returns)."""
         got = 0
+        more = False
         for offset in range(len(self.queues)):
             if self.stopping.is_set():
                 break
             queue_name = self.queues[(self._next_queue + offset) % len(self.queues)]
-            found = self._mode.dispatch(queue_name, wanted - got)
+            pool = self._pool(queue_name)
+            with self._lock:
+                free = self._slots[pool] - self._busy[pool]
+            asked = min(free, budget - got)
+            if asked <= 0:
+                continue
+            found = self._mode.dispatch(queue_name, asked, queue_name in self._guarded)
             self.stats.add("claimed", found)
             got += found
-            if got >= wanted:
+            more = more or found == asked
+            # A suspect runs alone: no other queue's jobs beside it either.
+            if got >= budget or (self._lease_mode is not None and self._lease_mode.solo):
                 break
         self._next_queue = (self._next_queue + 1) % len(self.queues)
-        return got
+        return got, more
 
     def _shut_down(
         self, executors: list[Executor], completer: Completer, listener: Listener | None
     ) -> None:
-        self.stopping.set()
+        with self._lock:
+            self.stopping.set()
+            # Abandoned executors take no more items and are not waited for: their jobs, past
+            # their timeout, are failed already.
+            executors = [e for e in executors if not e.abandoned]
+            for _ in executors:
+                self._handoff.put(None)
         if listener is not None:
             listener.stop()
-        for _ in executors:
-            self._handoff.put(None)
         deadline = time.monotonic() + self.shutdown_timeout
         for executor in executors:
-            executor.join(max(0.0, deadline - time.monotonic()))
-        still = [e.name for e in executors if e.is_alive()]
+            # In short steps: an executor abandoned meanwhile (its job timed out during the
+            # shutdown) is not waited for either.
+            while executor.is_alive() and not executor.abandoned:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                executor.join(min(left, SHUTDOWN_STEP))
+        still = [e.name for e in executors if e.is_alive() and not e.abandoned]
+        completer.close(timeout=max(self.shutdown_timeout, 5.0))
         if still:
+            # Their jobs (and any outcome the completer could not write) are still ours:
+            # end their leases on purpose, so the next reap requeues them at once and counts
+            # no crash (a deploy is no worker death).
             logger.warning(
-                "%s jobs still running after the %.0f s shutdown timeout; their leases will "
-                "expire and the reaper will requeue them",
+                "%s jobs still running after the %.0f s shutdown timeout; their leases end "
+                "now (%s ended) and the next reap requeues them",
                 len(still),
                 self.shutdown_timeout,
+                self._expire_held(),
                 extra={"action": "shutdown", "worker_id": self.worker_id},
             )
-        completer.close(timeout=max(self.shutdown_timeout, 5.0))
         if listener is not None:
             listener.join(timeout=5.0)
+        try:
+            self.store.gone(self.worker_id)
+        except (DatabaseError, psycopg.Error):
+            # The row expires on its own; the reaper clears it.
+            logger.warning(
+                "worker %s could not delete its registry row; it expires on its own",
+                self.worker_id,
+                exc_info=True,
+                extra={"action": "stop", "worker_id": self.worker_id},
+            )
         self.store.close()
         connections.close_all()

@@ -87,6 +87,28 @@ class Command(BaseCommand):
         for failure in report.recent_failures[:5]:
             error = failure["last_error"] or ""
             write(f"  job {failure['id']} {failure['task']}: {last_line(error) if error else ''}")
+        write(
+            f"Quarantined in the last hour (their worker died, PGJOBS['MAX_CRASHES'] times in a "
+            f"row): {report.quarantined_count}"
+        )
+        for row in report.quarantined[:5]:
+            write(f"  job {row['id']} {row['task']}: {row['crashes']} worker deaths in a row")
+        write(f"Live jobs whose last attempt ended with a dead worker: {report.suspects}")
+        write(f"Live workers: {len(report.workers)}")
+        for worker in report.workers:
+            tasks = worker["tasks"]
+            write(
+                f"  {worker['id']} on {worker['host']} (pid {worker['pid']}, {worker['mode']} "
+                f"mode, version {worker['version']}): queues {doctor.worker_queues(worker)}; "
+                f"tasks {'any' if tasks is None else len(tasks)}; started "
+                f"{worker['started_at'].isoformat()}, last heartbeat "
+                f"{worker['heartbeat_at'].isoformat()}"
+            )
+        write("Ready jobs no live worker can run:" + ("" if report.unrunnable else " none"))
+        for row in report.unrunnable:
+            unserved = "" if row["served"] else " (no live worker serves this queue)"
+            write(f"  {row['queue']}: {row['ready']} of {row['task']}{unserved}")
+        write(f"Paused queues: {', '.join(report.paused) or 'none'}")
         table, settings = report.table, report.settings
         write(
             f"Table pgjobs_job: {table['n_live_tup']} live rows, {table['n_dead_tup']} dead "

@@ -41,9 +41,9 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--status",
-            choices=("done", "failed", "all"),
+            choices=("done", "failed", "cancelled", "all"),
             default="done",
-            help="Which finished jobs: done (default), failed, or all.",
+            help="Which finished jobs: done (default), failed, cancelled, or all (the three).",
         )
         parser.add_argument("--batch-size", type=int, default=10_000, help="Rows per batch.")
         parser.add_argument(
@@ -70,7 +70,7 @@ class Command(BaseCommand):
             )
         except InvalidJobOptions as exc:
             raise CommandError(str(exc)) from exc
-        which = "done and failed" if options["status"] == "all" else options["status"]
+        which = "done, failed and cancelled" if options["status"] == "all" else options["status"]
         self.stdout.write(
             f"{verb} {total} {which} jobs finished more than {options['older_than']} ago"
         )

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django_pgjobs import conf
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.worker import Worker
+from django_pgjobs.worker.worker import EXIT_STUCK
 
 
 class Command(BaseCommand):
@@ -20,8 +21,10 @@ class Command(BaseCommand):
             "--queue",
             action="append",
             dest="queues",
-            metavar="NAME",
-            help=f"Queue to take jobs from; repeat for several (default {conf.default_queue()!r}).",
+            metavar="NAME[=N]",
+            help="Queue to take jobs from; repeat for several (default "
+            f"{conf.default_queue()!r}). NAME=N: at most N of its jobs at once, in slots of its "
+            "own; a bare NAME shares --concurrency.",
         )
         parser.add_argument("--concurrency", type=int, help="Executor threads.")
         parser.add_argument("--batch-size", type=int, help="Most jobs one claim takes.")
@@ -55,10 +58,25 @@ class Command(BaseCommand):
             help="How long a stopping worker waits for running jobs.",
         )
         parser.add_argument(
+            "--max-stuck-executors",
+            type=int,
+            metavar="N",
+            help=f"Exit (status {EXIT_STUCK}) once more than N executor threads are stuck in "
+            "jobs past their timeout.",
+        )
+        parser.add_argument(
             "--no-schedule",
             action="store_false",
             dest="schedule",
             help="Do not enqueue the ticks of periodic schedules (another worker does).",
+        )
+        parser.add_argument(
+            "--claim-unregistered",
+            action="store_const",
+            const=False,
+            dest="registered_only",
+            help="Claim jobs of any task, failing those this process has not registered "
+            "(default: only registered tasks, PGJOBS['CLAIM_REGISTERED_ONLY']).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -77,9 +95,16 @@ class Command(BaseCommand):
                 listen_database=options["listen_database"],
                 shutdown_timeout=options["shutdown_timeout"],
                 schedule=options["schedule"],
+                max_stuck_executors=options["max_stuck_executors"],
+                registered_only=options["registered_only"],
             )
         except InvalidJobOptions as exc:
             raise CommandError(str(exc)) from exc
         worker.install_signal_handlers()
         stats = worker.run()
         self.stdout.write(stats.summary())
+        if worker.stuck:
+            # Too many executor threads stuck past their timeout (logged at ERROR): a
+            # supervisor restarting on failure starts a clean process.
+            self.stdout.flush()
+            raise SystemExit(EXIT_STUCK)
