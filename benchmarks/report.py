@@ -240,6 +240,11 @@ def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> lis
         "w1_1x8_history",
         total_cpu,
     )
+    for source, label in (
+        ("w1_4x2_nokeys", "Keys: W1 4x2, no lock keys"),
+        ("w1_4x2_keys10", "Keys: W1 4x2, 10 lock keys"),
+    ):
+        add(f"{source}.jobs_per_s", label, "jobs/s", source, lambda r: r["jobs_per_s"])
     add(
         "ceiling.jobs_per_s",
         "SQL ceiling: pgbench CLAIM 10 + COMPLETE, 8 clients",
@@ -444,6 +449,7 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
             "claim_empty.claim_complete_ms",
         ),
         ("W2 enqueue_many() / enqueue()", "w2_bulk.jobs_per_s", "w2_single.jobs_per_s"),
+        ("W1 4x2 with 10 lock keys / none", "w1_4x2_keys10.jobs_per_s", "w1_4x2_nokeys.jobs_per_s"),
     )
     for peer in sorted({key.split(".")[1] for key in med if key.startswith("peer.")}):
         pairs += (

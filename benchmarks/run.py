@@ -34,7 +34,7 @@ from benchmarks import db, report  # noqa: E402
 from benchmarks.sizes import Sizes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("w1", "w2", "w3", "scale", "ceiling", "rss")
+SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -297,6 +297,10 @@ def run_suite(
             "w1_1x8_history",
             lambda: bench.execute(processes=1, concurrency=sizes.concurrency, history=True),
         ),
+        # Lock keys (docs/queues.md): the same W1 over 4 processes, its jobs spread over 10
+        # keys (at most 10 run at once, each claim guarded), against none.
+        ("keys", "w1_4x2_nokeys", lambda: bench.execute(processes=4, concurrency=2)),
+        ("keys", "w1_4x2_keys10", lambda: bench.execute(processes=4, concurrency=2, keys=10)),
         ("ceiling", "ceiling", bench.ceiling),
         ("ceiling", "naive", bench.naive),
     ]

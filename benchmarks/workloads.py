@@ -127,12 +127,19 @@ class Bench:
 
     # -- W1 ---------------------------------------------------------------------------------
 
-    def execute(self, *, processes: int, concurrency: int, history: bool = False) -> dict[str, Any]:
-        """W1: N pre-enqueued no-op jobs, ``runjobs --burst`` in ``processes`` processes."""
+    def execute(
+        self, *, processes: int, concurrency: int, history: bool = False, keys: int = 0
+    ) -> dict[str, Any]:
+        """W1: N pre-enqueued no-op jobs, ``runjobs --burst`` in ``processes`` processes.
+        ``keys``: the jobs spread round-robin over that many lock keys (none: no lock key)."""
         n = self.sizes.jobs
         admin, alias, url = self._target(history)
         floor = self._reset(history)
-        Job.objects.db_manager(alias).enqueue_many(TASK, [{"n": i} for i in range(n)])
+        Job.objects.db_manager(alias).enqueue_many(
+            TASK,
+            [{"n": i} for i in range(n)],
+            lock_key=(lambda payload: f"key-{payload['n'] % keys}") if keys else None,
+        )
         admin.run("ANALYZE pgjobs_job")
         admin.checkpoint()
         children = self.cpu.count() if self.cpu else 0
@@ -156,6 +163,7 @@ class Bench:
             "jobs": n,
             "processes": processes,
             "concurrency": concurrency,
+            "keys": keys,
             "span_s": span,
             "jobs_per_s": n / span if span else None,
             "wall_s": wall,
