@@ -1,0 +1,54 @@
+"""Django signals for ``@job`` jobs and for the queue's health.
+
+``django.tasks`` tasks have Django's own ``task_enqueued``, ``task_started`` and
+``task_finished``; these are the same moments for ``@job`` functions, sent by the worker (and by
+``enqueue()`` once its transaction commits). A receiver that raises is logged and never changes
+a job's outcome or stops the worker: :func:`send` is how the app sends every one of them.
+
+- ``job_enqueued(sender=Job, job=Job)``: after the enqueue's transaction committed.
+- ``job_started(sender=Job, job=ClaimedJob)``: in the executor, just before the function runs.
+- ``job_finished(sender=Job, job=ClaimedJob, outcome=str, duration=float, attempt=int,
+  error=BaseException | None)``: once the attempt's outcome is decided; ``outcome`` is one of
+  :data:`OUTCOMES`.
+- ``queue_unhealthy(sender=Watch, findings=list[Finding])``: once per breach of the health
+  thresholds (``jobsdoctor --watch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.dispatch import Signal
+
+logger = logging.getLogger("django_pgjobs.signals")
+
+OUTCOMES = ("done", "retry", "failed", "cancelled", "lost")
+
+job_enqueued = Signal()
+job_started = Signal()
+job_finished = Signal()
+queue_unhealthy = Signal()
+
+
+def send(signal: Signal, sender: Any, **named: Any) -> None:
+    """Send ``signal`` to every receiver; log (with the traceback) each receiver that raises,
+    and go on. Nothing a receiver does reaches the caller."""
+    if not signal.has_listeners(sender):
+        return
+    for receiver, result in signal.send_robust(sender, **named):
+        if isinstance(result, BaseException):
+            logger.error(
+                "a receiver of %s raised: %s",
+                _name(signal),
+                getattr(receiver, "__qualname__", receiver),
+                exc_info=(type(result), result, result.__traceback__),
+                extra={"action": "signal", "receiver": getattr(receiver, "__qualname__", "")},
+            )
+
+
+def _name(signal: Signal) -> str:
+    for name in ("job_enqueued", "job_started", "job_finished", "queue_unhealthy"):
+        if globals()[name] is signal:
+            return name
+    return repr(signal)
