@@ -65,6 +65,28 @@ def test_burst_runs_the_ready_jobs_then_exits_and_says_how_many(workers: Workers
     assert status(later) == "queued" and status(elsewhere) == "queued"
 
 
+def test_a_busy_burst_ends_once_drained_not_at_its_next_poll(workers: Workers) -> None:
+    # Its last claims come back empty while outcomes are still being written (a busy claim,
+    # which leaves suspects out, so the burst must claim once more when idle). That claim
+    # used to wait for the next poll: 600 s here, far past the burst's patience.
+    ids = Job.objects.enqueue_many(noop, [{"n": i} for i in range(10_000)])
+
+    # Logging one line per job slows the executors enough to hide it: log as a busy
+    # production worker does.
+    worker = workers.burst(
+        "--concurrency",
+        "8",
+        "--poll-interval",
+        "600",
+        "--reap-interval",
+        "600",
+        env={"PGJOBS_LOG_LEVEL": "WARNING"},
+    )
+
+    assert worker.output().splitlines()[-1].startswith("ran 10000 jobs: 10000 done"), worker.tail()
+    assert counts() == {"done": len(ids)}
+
+
 def test_failing_job_backs_off_twenty_seconds_then_fails_for_good(workers: Workers) -> None:
     job_id = Job.objects.enqueue(boom, {"message": "kaboom 1"}).id
     assert job_row(job_id)["max_attempts"] == 2

@@ -265,12 +265,16 @@ class Worker:
     def _on_written(self) -> None:
         # Outcomes reached the table: the suspect running alone may have finished. (Suspects
         # a busy claim left queued wait for the next tick, as reaped jobs always do, or, in a
-        # burst, for the claim before it ends.) Under a guarded queue's limit, or for a lock
-        # key, the finished job counts until its outcome is committed: claim again now.
+        # burst, for the claim it makes once idle before it ends: now, if this write left it
+        # idle.) Under a guarded queue's limit, or for a lock key, the finished job counts
+        # until its outcome is committed: claim again now.
+        lease_mode = self._lease_mode
         if self._guarded:
             self._freed = True
             self._wake.set()
-        elif self._lease_mode is not None and self._lease_mode.solo is not None:
+        elif lease_mode is not None and (
+            lease_mode.solo is not None or (self.burst and lease_mode.passed_over())
+        ):
             self._wake.set()
 
     def _on_retry(self) -> None:
