@@ -265,8 +265,20 @@ def _running(row: dict[str, Any]) -> list[Reason]:
         )
     ]
     lease = row["locked_until"]
-    expired = lease is not None and lease < now
-    if lease is not None and lease == row["attempted_at"]:
+    if lease is None:
+        # Only a row written by hand: every claim sets a lease. The reap compares it to now(),
+        # which a NULL never passes.
+        reasons.append(
+            Reason(
+                "no_lease",
+                "It has no lease (locked_until is empty), so the reaper never takes it back: "
+                "cancel it if no worker is running it.",
+                {"locked_until": None},
+            )
+        )
+        return reasons
+    expired = lease < now
+    if lease == row["attempted_at"]:
         message = (
             "Its worker gave it up as it stopped (lease ended at the claim): the next reap "
             "puts it back in the queue, without counting a crash."

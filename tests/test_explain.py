@@ -387,3 +387,9 @@ def test_the_statement_reads_partial_indexes_on_a_big_table() -> None:
     for job in (queued, running, done):
         indexes = assert_no_table_scan(sql.EXPLAIN_JOB, {"id": job, "ahead_limit": AHEAD_LIMIT + 1})
         assert {"pgjobs_job_pkey", "pgjobs_job_ready_idx", "pgjobs_job_lock_idx"} <= indexes
+
+
+@pytest.mark.django_db
+def test_a_running_row_without_a_lease_is_never_reaped() -> None:
+    job = make_job(status="running", attempts=1)
+    assert codes(explain(job)) == ["running", "no_lease"]
