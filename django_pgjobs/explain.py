@@ -320,14 +320,18 @@ def _when(moment: datetime, now: datetime) -> str:
     return f"at {moment.astimezone(timezone.utc):%Y-%m-%d %H:%M:%S} UTC ({relative})"
 
 
+# Units from the largest; a span is told in its largest unit and the next one down.
+_UNITS = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+
+
 def _span(seconds: float) -> str:
+    """``seconds`` as a person says it: "2 h 5 min", "3 min", "40 s"."""
     whole = int(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+    for index, (unit, size) in enumerate(_UNITS[:-1]):
         if whole >= size:
-            rest = whole % size
-            lower = {"d": ("h", 3600), "h": ("min", 60), "min": ("s", 1)}[unit]
-            tail = f" {rest // lower[1]} {lower[0]}" if rest // lower[1] else ""
-            return f"{whole // size} {unit}{tail}"
+            smaller, smaller_size = _UNITS[index + 1]
+            rest = whole % size // smaller_size
+            return f"{whole // size} {unit}" + (f" {rest} {smaller}" if rest else "")
     return f"{whole} s"
 
 

@@ -259,6 +259,25 @@ def test_a_held_lock_key_holds_the_job_until_its_holder_ends() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_pause_and_a_concurrency_limit_hold_the_job_as_the_claim_does() -> None:
+    beat("web-1:1:a", {"steered": None}, None)
+    Job.objects.set_limits("steered", concurrency=1)
+    ids = [Job.objects.enqueue(NOOP, queue="steered").id for _ in range(2)]
+    assert Job.objects.claim("steered", limit=10) == []  # the plain claim leaves a limited queue
+    (started,) = Job.objects.claim("steered", limit=10, guarded=True)
+    (waiting,) = set(ids) - {started.id}
+    assert codes(explain(waiting)) == ["concurrency", "ahead"]
+    assert Job.objects.claim("steered", limit=10, guarded=True) == []
+    Job.objects.pause("steered")
+    Job.objects.complete(started)
+    assert codes(explain(waiting)) == ["paused", "ahead"]
+    assert Job.objects.claim("steered", limit=10, guarded=True) == []
+    Job.objects.resume("steered")
+    assert codes(explain(waiting)) == ["next"]
+    assert [job.id for job in Job.objects.claim("steered", limit=10, guarded=True)] == [waiting]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_full_rate_window_says_when_room_comes() -> None:
     beat("web-1:1:a", {"rated": None}, None)
     Job.objects.set_limits("rated", rate=(2, timedelta(hours=1)))
