@@ -40,6 +40,7 @@ from django.utils.safestring import SafeString
 
 from django_pgjobs import doctor, registry, sql, validation
 from django_pgjobs.exceptions import InvalidJobOptions, WorkerCrashed
+from django_pgjobs.explain import explain
 from django_pgjobs.lifecycle import last_line
 from django_pgjobs.models import FailedJob, Job, QueueDashboard, ScheduleState, Status
 
@@ -71,6 +72,14 @@ CANCELLABLE = (Status.QUEUED, Status.RUNNING)
 CONFIRM_LIMIT = 100
 # Who may pause, resume and limit queues from the dashboard.
 QUEUE_CONTROL_PERMISSION = "django_pgjobs.change_queuestate"
+# The heading of a job page's explanation, by its first reason (a queued job's otherwise).
+EXPLANATION_TITLES = {
+    "running": "What is this job doing?",
+    "done": "How this job ended",
+    "failed": "How this job ended",
+    "cancelled": "How this job ended",
+    "gone": "Where is this job?",
+}
 
 
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
@@ -204,6 +213,8 @@ class JobAdmin(_JobModelAdmin):
     show_full_result_count = False
     list_per_page = 50
     ordering: ClassVar[Any] = ("-id",)
+    # Also the failed jobs' page (a proxy would look for a template of its own).
+    change_form_template = "admin/django_pgjobs/job/change_form.html"
     fields = (
         "id",
         "task",
@@ -305,6 +316,25 @@ class JobAdmin(_JobModelAdmin):
                 f"{chosen - count} job(s) had already finished and were left alone.",
                 messages.WARNING,
             )
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Job | None = None,
+    ) -> HttpResponse:
+        # "Why isn't this job running?": read when the page is, never stored. The heading
+        # follows the status the explanation read, which may be newer than the form's.
+        if obj is not None:
+            reasons = explain(obj, alias=obj._state.db)
+            context["pgjobs_explanation"] = reasons
+            context["pgjobs_explanation_title"] = EXPLANATION_TITLES.get(
+                reasons[0].code, "Why isn't this job running?"
+            )
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Job | None = None) -> list[str]:
         editable = EDITABLE_WHILE_QUEUED if obj is not None and obj.status == "queued" else ()

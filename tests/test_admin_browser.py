@@ -1,5 +1,5 @@
 """The admin in a real browser: log in, retry a failed job, look at the dashboard and the
-periodic schedules.
+periodic schedules, and read why a queued job is not running.
 
 The testproject runs for real (``manage.py runserver`` in a child process, on pytest's test
 database) and headless Chromium, driven by Playwright, uses it as a person would. Debian's
@@ -210,6 +210,13 @@ def test_log_in_retry_a_failed_job_and_see_the_dashboard(playwright: Any, server
     )
     fill_the_dashboard()
     tick_job = tick_a_schedule()
+    # Waiting for its retry, in a queue no worker serves: its page says both.
+    waiting = make_job(
+        queue="reports",
+        attempts=1,
+        last_error="RuntimeError: <b>quota</b> exceeded",
+        run_at=timedelta(hours=3),
+    )
     ARTIFACT.parent.mkdir(exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         ARTIFACT.unlink()
@@ -263,6 +270,16 @@ def test_log_in_retry_a_failed_job_and_see_the_dashboard(playwright: Any, server
             page.click(f'#pgjobs-schedules a[href="/admin/django_pgjobs/job/{tick_job}/change/"]')
             page.wait_for_selector("#content")
             assert "every-minute" in page.inner_text("#content")
+
+            # A queued job's page explains why it is not running.
+            page.goto(f"{server.url}/admin/django_pgjobs/job/{waiting}/change/")
+            page.wait_for_selector("#pgjobs-explanation")
+            explained = page.inner_text("#pgjobs-explanation")
+            assert "Why isn't this job running?" in explained, explained
+            assert "Waiting for its retry: attempt 2 of 5" in explained, explained
+            assert "RuntimeError: <b>quota</b> exceeded" in explained  # shown as text
+            assert "No live worker serves its queue reports" in explained, explained
+            assert page.locator("#pgjobs-explanation b").count() == 0
         finally:
             browser.close()
 
