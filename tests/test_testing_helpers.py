@@ -185,6 +185,26 @@ class RunJobsTests(TestCase):
         assert [e.status for e in enqueued(noop)] == ["queued"]
         assert outcomes_of(run_jobs(queue="default")) == [("testproject.testjobs.noop", "done")]
 
+    def test_a_paused_queue_is_not_run_until_resumed(self) -> None:
+        Job.objects.pause("emails")
+        confirm_order.enqueue(order_id=1)
+        noop.enqueue()
+        assert outcomes_of(run_jobs()) == [("testproject.testjobs.noop", "done")]
+        Job.objects.resume("emails")
+        assert outcomes_of(run_jobs()) == [(CONFIRM, "done")]
+
+    def test_jobs_with_lock_keys_run_through_the_guarded_claim(self) -> None:
+        ids = [
+            Job.objects.enqueue(confirm_order, {"order_id": n}, lock_key="customer:7").id
+            for n in (1, 2)
+        ]
+        Job.objects.set_limits("emails", concurrency=1, rate=(5, timedelta(minutes=1)))
+        start = set_clock(scalar("SELECT now()") + timedelta(seconds=5))
+        results = run_jobs()
+        assert [(r.id, r.outcome) for r in results] == [(ids[0], "done"), (ids[1], "done")]
+        # The guarded claim stamped each start in the queue's rate window, on the test clock.
+        assert scalar("SELECT starts FROM pgjobs_queue WHERE name = 'emails'") == [start, start]
+
     def test_a_rolled_back_enqueue_is_not_run(self) -> None:
         with pytest.raises(RuntimeError), transaction.atomic():
             confirm_order.enqueue(order_id=1)
