@@ -143,8 +143,10 @@ def _in_test_transaction(helper: str) -> BaseDatabaseWrapper:
 
 def _task_name(task: object) -> str:
     """The registered name of a @job function, a django.tasks task, or a name."""
-    if isinstance(task, str | registry.JobFunction):
-        return registry.resolve(task).name if not isinstance(task, str) else task
+    if isinstance(task, str):
+        return task
+    if isinstance(task, registry.JobFunction):
+        return task.name
     module_path = getattr(task, "module_path", None)  # a django.tasks Task
     if isinstance(module_path, str):
         return module_path

@@ -11,7 +11,7 @@ from django.db import connection, transaction
 from django.test import TestCase, TransactionTestCase
 
 from django_pgjobs import conf, testing
-from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.pytest_plugin import pgjobs  # noqa: F401 - the plugin's fixture, loaded or not
 from django_pgjobs.testing import (
@@ -263,6 +263,16 @@ class RunJobsTests(TestCase):
         assert scalar("SELECT to_regnamespace('pgjobs_test_clock')") is None
         # Outside run_jobs() now() is PostgreSQL's again: the test's frozen start.
         assert scalar("SELECT now()") < testing.now()
+
+    def test_the_clock_only_moves_forward_and_takes_time_values(self) -> None:
+        with pytest.raises(InvalidJobOptions, match="advance"):
+            advance(-1)
+        with pytest.raises(InvalidJobOptions, match="advance"):
+            advance("soon")
+
+    def test_the_task_argument_must_be_a_task(self) -> None:
+        with pytest.raises(UnknownTask, match="is not a task"):
+            enqueued(42)
 
     def test_set_clock_refuses_a_naive_time(self) -> None:
         with pytest.raises(InvalidJobOptions, match="naive"):
