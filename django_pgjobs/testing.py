@@ -55,8 +55,9 @@ __all__ = [
 
 # The worker id recorded in worker_ids for the attempts run_jobs() makes.
 WORKER_ID = "django_pgjobs.testing"
-# A run that has run this many jobs and still finds more stops with an error: a job that
-# enqueues itself, or snoozes with no delay, would otherwise keep it running for ever.
+# run_jobs()'s default max_jobs: a run that has run this many jobs and still finds more stops
+# with an error, as a job that enqueues itself, or snoozes with no delay, would otherwise keep
+# it running for ever.
 MAX_JOBS = 1000
 
 
@@ -198,7 +199,11 @@ def _clock(connection: BaseDatabaseWrapper) -> Iterator[None]:
 
 
 def run_jobs(
-    queue: str | None = None, *, until_empty: bool = True, now: datetime | None = None
+    queue: str | None = None,
+    *,
+    until_empty: bool = True,
+    now: datetime | None = None,
+    max_jobs: int = MAX_JOBS,
 ) -> list[JobOutcome]:
     """Run the jobs that are due, as a worker would, inside the test's transaction.
 
@@ -207,13 +212,16 @@ def run_jobs(
     writes its outcome fenced on the claim. Expired leases are reaped first. ``queue``: only
     that queue's jobs. ``until_empty``: go on with the jobs the jobs enqueue and the retries
     that come due, until nothing is due; False: the jobs due when called, once each. ``now``:
-    set the test clock to that time first (it stays there, as ``set_clock()``).
+    set the test clock to that time first (it stays there, as ``set_clock()``). ``max_jobs``:
+    a run that has run that many jobs and finds more due stops with an error (and its writes
+    are rolled back).
 
     Returns what became of each job run, in the order they ran.
     """
     connection = _in_test_transaction("run_jobs()")
     if queue is not None:
         validation.queue_name(queue)
+    validation.positive_int("max_jobs", max_jobs)
     if now is not None:
         set_clock(now)
     store = Store(connection.alias, direct=False, synchronous_commit=None, prepare=False)
@@ -230,16 +238,16 @@ def run_jobs(
             for name, count in ready.items():
                 limit = 1 if until_empty else count
                 jobs = store.claim(name, limit, conf.lease(), WORKER_ID, guarded=name in guarded)
+                if jobs and len(outcomes) >= max_jobs:
+                    raise RuntimeError(
+                        f"run_jobs() ran {len(outcomes)} jobs and more are due: does a job "
+                        "enqueue itself, or snooze with no delay? Pass a larger max_jobs, or "
+                        "until_empty=False to run one round at a time."
+                    )
                 outcomes.extend(_run(store, job) for job in jobs)
                 ran += len(jobs)
             if not ran or not until_empty:
                 break
-            if len(outcomes) >= MAX_JOBS:
-                raise RuntimeError(
-                    f"run_jobs() ran {len(outcomes)} jobs and more are due: does a job "
-                    "enqueue itself, or snooze with no delay? Pass until_empty=False to run "
-                    "one round at a time."
-                )
     return outcomes
 
 

@@ -27,7 +27,9 @@ from testproject.shop.models import Order
 from testproject.testjobs import noop
 from tests.helpers import listening, scalar
 from tests.testing_jobs import (
+    always_snoozes,
     broken,
+    cancels_itself,
     confirm_order,
     flaky,
     flaky_task,
@@ -184,6 +186,22 @@ class RunJobsTests(TestCase):
         assert outcomes_of(run_jobs(queue="emails")) == [(CONFIRM, "done")]
         assert [e.status for e in enqueued(noop)] == ["queued"]
         assert outcomes_of(run_jobs(queue="default")) == [("testproject.testjobs.noop", "done")]
+
+    def test_a_job_cancelled_while_it_runs_is_reported_cancelled(self) -> None:
+        cancels_itself.enqueue()
+        (result,) = run_jobs()
+        assert result.outcome == "cancelled"
+        assert Job.objects.get(pk=result.id).status == "cancelled"
+
+    def test_a_run_that_never_empties_stops_with_an_error(self) -> None:
+        always_snoozes.enqueue()
+        with pytest.raises(RuntimeError, match="ran 5 jobs and more are due"):
+            run_jobs(max_jobs=5)
+        with pytest.raises(InvalidJobOptions, match="max_jobs"):
+            run_jobs(max_jobs=0)
+        # The run's savepoint rolled back with the error: the job is as it was.
+        assert Job.objects.get().snoozes == 0
+        assert [r.outcome for r in run_jobs(until_empty=False)] == ["snoozed"]
 
     def test_a_paused_queue_is_not_run_until_resumed(self) -> None:
         Job.objects.pause("emails")

@@ -77,3 +77,19 @@ def flaky_task(context: object, fail_until: int) -> int:
     if attempt <= fail_until:
         raise RuntimeError(f"task attempt {attempt} fails on purpose")
     return attempt
+
+
+@job
+def cancels_itself() -> None:
+    """Cancelled (by an operator, say) while it runs: its completion is fenced out."""
+    from django_pgjobs.models import Job
+
+    ctx = current_job()
+    assert ctx is not None
+    Job.objects.cancel(ctx.id)
+
+
+@job
+def always_snoozes() -> None:
+    """Never ready to finish: "not now", again and again, at once."""
+    raise Snooze(0)
