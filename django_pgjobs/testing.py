@@ -66,7 +66,8 @@ class JobOutcome:
     """One job ``run_jobs()`` ran: what became of it, as the worker would log it.
 
     ``outcome`` is ``done``, ``retry`` (failed, queued again for later), ``failed`` (for
-    good), ``snoozed``, ``cancelled`` (while it ran) or ``lost`` (another writer took it);
+    good), ``snoozed``, ``cancelled`` (while it ran), ``lost`` (another writer took it) or
+    ``released`` (the queue's database went away while it ran: the attempt is not counted);
     ``failure`` holds the error of a failed attempt, ``result`` a task's return value.
     """
 

@@ -288,6 +288,26 @@ class RunJobsTests(TestCase):
         with pytest.raises(InvalidJobOptions, match="advance"):
             advance("soon")
 
+    def test_set_clock_none_gives_the_wall_clock_back(self) -> None:
+        far = scalar("SELECT now()") + timedelta(days=30)
+        assert set_clock(far) == far
+        back = set_clock(None)
+        assert scalar("SELECT now()") <= back < far
+
+    def test_a_job_of_an_unregistered_task_fails_naming_it(self) -> None:
+        job_id = scalar(
+            "INSERT INTO pgjobs_job (task, payload) VALUES ('gone.task', '{\"a\": 1}') RETURNING id"
+        )
+        (found,) = assert_enqueued("gone.task", a=1)
+        assert found.kwargs == {"a": 1}
+        (result,) = run_jobs()
+        assert (result.id, result.outcome) == (job_id, "retry")
+        assert result.error is not None and "Unknown task 'gone.task'" in result.error
+
+    def test_a_plain_function_names_its_job(self) -> None:
+        confirm_order.enqueue(order_id=1)
+        assert [e.task for e in enqueued(confirm_order.func)] == [CONFIRM]
+
     def test_the_task_argument_must_be_a_task(self) -> None:
         with pytest.raises(UnknownTask, match="is not a task"):
             enqueued(42)
