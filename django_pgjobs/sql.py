@@ -638,6 +638,67 @@ WHERE s.name = ANY(%(names)s::text[])
 NOW: LiteralString = "SELECT now()"
 
 
+# -- the test clock (django_pgjobs.testing). Inside a test's transaction now() is frozen at
+# the test's start; a worker's statements each run in a short transaction of their own, so
+# for them now() is the wall clock. run_jobs() runs the same statements as the worker with
+# the clock these give them: the time the test set (a transaction-local setting, gone with the
+# test's rollback), or else the statement's own start, which moves as the wall clock does.
+_TEST_CLOCK: LiteralString = """
+coalesce(nullif(pg_catalog.current_setting('pgjobs.test_clock', true), '')::timestamptz,
+         pg_catalog.statement_timestamp())"""
+
+# The functions that stand in for pg_catalog's clocks while run_jobs() runs: in a schema of
+# their own, put before pg_catalog in the transaction's search_path (TEST_CLOCK_ON), so the
+# unchanged statement text calls them. Created inside the test's transaction, dropped again
+# when run_jobs() returns (TEST_CLOCK_DROP), and rolled back with the test in any case.
+TEST_CLOCK_CREATE: LiteralString = (
+    """
+CREATE SCHEMA IF NOT EXISTS pgjobs_test_clock;
+CREATE OR REPLACE FUNCTION pgjobs_test_clock.now() RETURNS timestamptz
+  LANGUAGE sql STABLE AS $$ SELECT"""
+    + _TEST_CLOCK
+    + """ $$;
+CREATE OR REPLACE FUNCTION pgjobs_test_clock.statement_timestamp() RETURNS timestamptz
+  LANGUAGE sql STABLE AS $$ SELECT"""
+    + _TEST_CLOCK
+    + """ $$;
+CREATE OR REPLACE FUNCTION pgjobs_test_clock.transaction_timestamp() RETURNS timestamptz
+  LANGUAGE sql STABLE AS $$ SELECT"""
+    + _TEST_CLOCK
+    + """ $$
+"""
+)
+
+# Put the clock's schema first for the rest of the transaction; returns the path it replaced,
+# which TEST_CLOCK_OFF puts back.
+TEST_CLOCK_ON: LiteralString = """
+SELECT current_setting('search_path'),
+       set_config('search_path',
+                  'pgjobs_test_clock, pg_catalog, ' || current_setting('search_path'), true)
+"""
+
+TEST_CLOCK_OFF: LiteralString = "SELECT set_config('search_path', %(search_path)s, true)"
+
+TEST_CLOCK_DROP: LiteralString = "DROP SCHEMA pgjobs_test_clock CASCADE"
+
+# The test clock's time now.
+TEST_CLOCK_NOW: LiteralString = "SELECT" + _TEST_CLOCK
+
+# Set the test clock (NULL: back to the wall clock) or move it forward by an interval, until
+# the test's transaction ends.
+TEST_CLOCK_SET: LiteralString = """
+SELECT set_config('pgjobs.test_clock', %(now)s::timestamptz::text, true)
+"""
+
+TEST_CLOCK_ADVANCE: LiteralString = (
+    """
+SELECT set_config('pgjobs.test_clock', ("""
+    + _TEST_CLOCK
+    + """ + %(by)s::interval)::text, true)
+"""
+)
+
+
 # A Django connection, or one of a worker's own psycopg connections (worker.db.Direct).
 Connection: TypeAlias = "BaseDatabaseWrapper | psycopg.Connection[Any]"
 

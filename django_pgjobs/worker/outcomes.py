@@ -95,11 +95,17 @@ COUNTERS = {
 _COUNTER_NAMES = frozenset(COUNTERS.values())
 
 
+def result_of(outcome: Outcome, status: str | None) -> str:
+    """What became of a job whose outcome was written and left it in ``status``: done, retry,
+    failed, snoozed, cancelled, or lost (``status`` None: fenced out)."""
+    if outcome.action == SNOOZE and status == "queued":
+        return "snoozed"
+    return OUTCOMES.get(status or "", "lost")
+
+
 def finished(outcome: Outcome, status: str | None, *, stats: WorkerStats, worker_id: str) -> None:
     """Count and log a job whose outcome was written (``status`` None: fenced out)."""
-    result = OUTCOMES.get(status or "", "lost")
-    if outcome.action == SNOOZE and status == "queued":
-        result = "snoozed"
+    result = result_of(outcome, status)
     stats.add(COUNTERS[result])
     error = outcome.failure.traceback if outcome.failure else None
     log_outcome(outcome.job, result, outcome.duration, worker_id, error)

@@ -15,16 +15,54 @@ from dataclasses import dataclass, field
 from django.db import DatabaseError, transaction
 
 from django_pgjobs import conf
-from django_pgjobs.lifecycle import FailedAttempt
+from django_pgjobs.lifecycle import ClaimedJob, FailedAttempt
 from django_pgjobs.worker.db import reset, tidy, unavailable
 from django_pgjobs.worker.executor import Shared, call, context, timed_out
 from django_pgjobs.worker.outcomes import RELEASE, SNOOZE, Outcome, finished
+from django_pgjobs.worker.store import Store
 
 
 def past_timeout(outcome: Outcome) -> bool:
     """Whether the job returned after its timeout (nothing could stop it sooner here)."""
     timeout = outcome.job.timeout
     return timeout is not None and outcome.duration > timeout
+
+
+def run_claimed(job: ClaimedJob, alias: str) -> Outcome:
+    """Run a claimed job in a savepoint of the open transaction on ``alias``; its outcome.
+
+    What the job wrote is rolled back when it fails or snoozes, and a job that returned after
+    its timeout failed (nothing could stop it while it ran: it holds its row's lock in this
+    transaction). Shared with ``django_pgjobs.testing.run_jobs``, which runs jobs the same way
+    inside a test's transaction."""
+    with transaction.atomic(using=alias):
+        outcome = call(job, context(job), alias)
+        if outcome.action != RELEASE and past_timeout(outcome):
+            outcome = timed_out(outcome.job, outcome.duration)
+        # A snooze is "not now": the job's writes go, as a failure's do.
+        if outcome.failure or outcome.action == SNOOZE:
+            transaction.set_rollback(True, using=alias)
+    return outcome
+
+
+def record(store: Store, outcome: Outcome) -> str | None:
+    """Write a completed, failed or snoozed job's outcome through the fenced statements; the
+    job's new status, or None when the fence refused the write (the job is no longer ours)."""
+    job = outcome.job
+    if outcome.action == SNOOZE:
+        return "queued" if store.snooze([(job, outcome.delay or 0.0)]) else None
+    if outcome.failure:
+        attempt = FailedAttempt(
+            job,
+            outcome.failure,
+            outcome.backoff or conf.backoff(),
+            outcome.final,
+            outcome.delay,
+            outcome.jitter,
+        )
+        return store.fail([attempt]).get(job.id)
+    done = store.complete([job], {job.id: outcome.result})
+    return "done" if done else None
 
 
 @dataclass
@@ -73,20 +111,12 @@ class TransactionMode:
                 ticket.claimed.set()
                 if not jobs:
                     return
-                with transaction.atomic(using=alias):
-                    outcome = call(jobs[0], context(jobs[0]), alias)
-                    if outcome.action != RELEASE and past_timeout(outcome):
-                        # Nothing could stop it while it ran (it holds its row's lock in
-                        # this transaction); what it did is rolled back, the attempt failed.
-                        outcome = timed_out(outcome.job, outcome.duration)
-                    # A snooze is "not now": the job's writes go, as a failure's do.
-                    if outcome.failure or outcome.action == SNOOZE:
-                        transaction.set_rollback(True, using=alias)
+                outcome = run_claimed(jobs[0], alias)
                 if outcome.action == RELEASE:
                     # Roll the claim back with the rest: the attempt is not counted.
                     transaction.set_rollback(True, using=alias)
                     return
-                status = self._finish(outcome)
+                status = record(self.store, outcome)
         except DatabaseError as exc:
             if not unavailable(exc):
                 raise
@@ -99,20 +129,3 @@ class TransactionMode:
         finished(outcome, status, stats=self.stats, worker_id=self.worker_id)
         if status == "queued" and self.on_retry is not None:
             self.on_retry()
-
-    def _finish(self, outcome: Outcome) -> str | None:
-        job = outcome.job
-        if outcome.action == SNOOZE:
-            return "queued" if self.store.snooze([(job, outcome.delay or 0.0)]) else None
-        if outcome.failure:
-            attempt = FailedAttempt(
-                job,
-                outcome.failure,
-                outcome.backoff or conf.backoff(),
-                outcome.final,
-                outcome.delay,
-                outcome.jitter,
-            )
-            return self.store.fail([attempt]).get(job.id)
-        done = self.store.complete([job], {job.id: outcome.result})
-        return "done" if done else None
