@@ -192,8 +192,9 @@ def schedule() -> object:
     return get("SCHEDULE")
 
 
-def health_thresholds() -> dict[str, float]:
-    thresholds: dict[str, float] = value("HEALTH_THRESHOLDS")
+def health_thresholds() -> dict[str, Any]:
+    """The thresholds set, by ``doctor.Thresholds`` field name (seconds; ``slot_age`` an int)."""
+    thresholds: dict[str, Any] = value("HEALTH_THRESHOLDS")
     return thresholds
 
 

@@ -186,7 +186,7 @@ class Thresholds:
     @classmethod
     def from_settings(cls) -> Thresholds:
         """The defaults, with the ones ``PGJOBS["HEALTH_THRESHOLDS"]`` sets."""
-        return cls(**conf.health_thresholds())  # type: ignore[arg-type]
+        return cls(**conf.health_thresholds())
 
     def __post_init__(self) -> None:
         for name in ("idle", "transaction", "lag", "slot_age", "naptimes"):

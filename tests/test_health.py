@@ -278,3 +278,19 @@ def test_watch_options_are_checked() -> None:
         call_command("jobsdoctor", "--watch", "1", "--count", "0")
     with pytest.raises(CommandError, match="--count and --mail-admins go with --watch"):
         call_command("jobsdoctor", "--mail-admins")
+
+
+def test_a_database_the_watch_cannot_reach_is_one_outage(workers: Workers) -> None:
+    process = workers.run(
+        "jobsdoctor",
+        "--watch",
+        "0.05",
+        "--count",
+        "3",
+        database_url="postgres://postgres@127.0.0.1:1/nowhere",
+    )
+    ticks = [line for line in process.output().splitlines() if "outage(s)" in line]
+    assert len(ticks) == 3
+    assert all("UNHEALTHY: 1 outage(s), 0 warning(s)" in line for line in ticks)
+    assert process.output().count("OUTAGE: the jobs table could not be read: ") == 3
+    assert process.log().count("ERROR django_pgjobs.doctor: queue unhealthy") == 1
