@@ -268,11 +268,6 @@ class Report:
         return not self.problems
 
     @property
-    def outages(self) -> list[Finding]:
-        """The findings that mean ready jobs are not being run: the health endpoint's 503."""
-        return [finding for finding in self.findings if finding.outage]
-
-    @property
     def dead_rows(self) -> int:
         return int(self.table.get("n_dead_tup") or 0)
 
@@ -701,11 +696,12 @@ def examine(
 class Watch:
     """``jobsdoctor --watch``: diagnose on every ``tick()`` and raise an alarm once per breach.
 
-    A breach begins with a tick that finds an outage (``Report.outages``) and ends with the
-    first tick that finds none; its alarm (the ``queue_unhealthy`` signal, an ERROR log line
-    and, with ``mail``, ``mail_admins``) goes out at its first tick only, so a queue that stays
-    down is not reported every interval. Once it is healthy again, the next outage is a new
-    breach. Warnings (vacuum, failures) never alarm: they do not stop jobs from being served.
+    A breach begins with a tick that finds an outage (a ``Finding`` with ``outage``) and ends
+    with the first tick that finds none; its alarm (the ``queue_unhealthy`` signal, an ERROR
+    log line and, with ``mail``, ``mail_admins``) goes out at its first tick only, so a queue
+    that stays down is not reported every interval. Once it is healthy again, the next outage
+    is a new breach. Warnings (vacuum, failures) never alarm: they do not stop jobs from being
+    served.
     """
 
     def __init__(

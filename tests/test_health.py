@@ -254,6 +254,22 @@ def test_without_mail_admins_no_mail_is_sent(alarms: Alarms, settings: Any) -> N
     assert mail.outbox == []
 
 
+def test_a_mail_server_that_refuses_is_logged_and_the_watch_goes_on(
+    alarms: Alarms, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings.ADMINS = [("Ops", "ops@example.com")]
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", 1  # nothing listens there
+    make_job(status="running", attempts=1, locked_until=timedelta(minutes=-1))
+    watch = doctor.Watch(mail=True)
+    watch.tick()
+    watch.tick()
+    assert len(alarms.sent) == 1
+    (refused,) = [r for r in caplog.records if r.getMessage() == "could not mail the admins"]
+    assert refused.exc_info is not None
+    assert isinstance(refused.exc_info[1], OSError)
+
+
 def test_the_watch_command_alarms_once_over_its_ticks_and_exits(workers: Workers) -> None:
     make_job(status="running", attempts=1, locked_until=timedelta(minutes=-1))
     process = workers.run("jobsdoctor", "--watch", "0.05", "--count", "4")
