@@ -1,7 +1,8 @@
 """The benchmark's PostgreSQL: its own throwaway server (fsync on) unless BENCH_DATABASE_URL.
 
-Two databases are (re)created on that server: ``pgjobs_bench`` (emptied before every run)
-and ``pgjobs_bench_history`` (holds the done rows of the scale section).
+Three databases are (re)created on that server: ``pgjobs_bench`` (emptied before every run),
+``pgjobs_bench_history`` (holds the done rows of the scale section) and
+``pgjobs_bench_scrape`` (the finished rows of the scrape section).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from psycopg import sql as pgsql
 
 BENCH_DB = "pgjobs_bench"
 HISTORY_DB = "pgjobs_bench_history"
+SCRAPE_DB = "pgjobs_bench_scrape"
 TASK = "testproject.testjobs.noop"
 
 
@@ -42,7 +44,7 @@ def masked(url: str) -> str:
 def recreate(server_url: str, name: str) -> str:
     """Drop and create database ``name``; return its URL."""
     admin_url = server_url
-    if urlsplit(server_url).path.lstrip("/") in (BENCH_DB, HISTORY_DB):
+    if urlsplit(server_url).path.lstrip("/") in (BENCH_DB, HISTORY_DB, SCRAPE_DB):
         admin_url = with_database(server_url, "postgres")
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(

@@ -106,7 +106,9 @@ def peer_names(runs: Runs) -> list[str]:
     return sorted({key.split(".")[1] for key in runs if key.startswith("peer.")})
 
 
-def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> list[Row]:
+def build_rows(
+    runs: Runs, rss: dict[str, Any] | None, history_rows: int, scrape_rows: int = 0
+) -> list[Row]:
     rows: list[Row] = []
 
     def add(
@@ -245,6 +247,17 @@ def build_rows(runs: Runs, rss: dict[str, Any] | None, history_rows: int) -> lis
         ("w1_4x2_keys10", "Keys: W1 4x2, 10 lock keys"),
     ):
         add(f"{source}.jobs_per_s", label, "jobs/s", source, lambda r: r["jobs_per_s"])
+    for source, name in (
+        ("scrape_empty", "0 finished rows"),
+        ("scrape_full", f"{scrape_rows:,} finished rows"),
+    ):
+        add(
+            f"{source}.scrape_ms",
+            f"Scrape: views.metrics queries, {name}",
+            "ms",
+            source,
+            lambda r: r["scrape_ms"],
+        )
     add(
         "ceiling.jobs_per_s",
         "SQL ceiling: pgbench CLAIM 10 + COMPLETE, 8 clients",
@@ -450,6 +463,7 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
         ),
         ("W2 enqueue_many() / enqueue()", "w2_bulk.jobs_per_s", "w2_single.jobs_per_s"),
         ("W1 4x2 with 10 lock keys / none", "w1_4x2_keys10.jobs_per_s", "w1_4x2_nokeys.jobs_per_s"),
+        ("scrape, finished rows / none", "scrape_full.scrape_ms", "scrape_empty.scrape_ms"),
     )
     for peer in sorted({key.split(".")[1] for key in med if key.startswith("peer.")}):
         pairs += (

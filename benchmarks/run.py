@@ -34,7 +34,7 @@ from benchmarks import db, report  # noqa: E402
 from benchmarks.sizes import Sizes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss")
+SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss", "scrape")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -50,6 +50,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, help="jobs per W1 and W2 run (default 10,000)")
     parser.add_argument(
         "--history-rows", type=int, help="done rows of the scale section (default 1,000,000)"
+    )
+    parser.add_argument(
+        "--scrape-rows",
+        type=int,
+        help="finished rows under the metrics scrape (default 10,000,000; --quick 1,000,000)",
     )
     parser.add_argument(
         "--rss-jobs", type=int, help="jobs of the long RSS run (default 1,000,000; --quick 20,000)"
@@ -79,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def sizes_from(args: argparse.Namespace) -> Sizes:
     sizes = Sizes.quick() if args.quick else Sizes()
-    for name in ("runs", "jobs", "history_rows", "rss_jobs", "ceiling_jobs"):
+    for name in ("runs", "jobs", "history_rows", "rss_jobs", "ceiling_jobs", "scrape_rows"):
         value = getattr(args, name)
         if value is not None:
             if value < 1:
@@ -120,11 +125,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-def setup_django(bench_url: str, history_url: str) -> None:
+def setup_django(bench_url: str, history_url: str, scrape_url: str) -> None:
     os.environ.update(
         {
             "DATABASE_URL": bench_url,
             "BENCH_HISTORY_DATABASE_URL": history_url,
+            "BENCH_SCRAPE_DATABASE_URL": scrape_url,
             "DJANGO_SETTINGS_MODULE": "benchmarks.settings",
             "PGJOBS_LOG_LEVEL": "WARNING",
         }
@@ -137,6 +143,7 @@ def setup_django(bench_url: str, history_url: str) -> None:
     django.setup()
     call_command("migrate", verbosity=0, interactive=False)
     call_command("migrate", database="history", verbosity=0, interactive=False)
+    call_command("migrate", database="scrape", verbosity=0, interactive=False)
 
 
 def headline(key: str, result: dict[str, Any]) -> str:
@@ -153,6 +160,8 @@ def headline(key: str, result: dict[str, Any]) -> str:
         return (
             f"p50 {result['p50_ms']:.2f} ms, p95 {result['p95_ms']:.2f}, p99 {result['p99_ms']:.2f}"
         )
+    if key.startswith("scrape"):
+        return f"scrape {result['scrape_ms']:.3f} ms (median of {result['scrapes']})"
     if key.startswith("claim"):
         return f"claim {result['claim_ms']:.3f} ms, + complete {result['claim_complete_ms']:.3f}"
     if key == "naive":
@@ -208,13 +217,15 @@ def main(argv: list[str]) -> int:
             print(f"server: {server.describe()}")
             bench_url = db.recreate(server.url, db.BENCH_DB)
             history_url = db.recreate(server.url, db.HISTORY_DB)
-            setup_django(bench_url, history_url)
+            scrape_url = db.recreate(server.url, db.SCRAPE_DB)
+            setup_django(bench_url, history_url, scrape_url)
             from benchmarks.workloads import Bench
 
             bench = Bench(
                 sizes=sizes,
                 bench_url=bench_url,
                 history_url=history_url,
+                scrape_url=scrape_url,
                 pgbench=db.find_pgbench(server.bindir),
                 log=log,
                 worker_log_level=args.worker_log_level,
@@ -281,6 +292,14 @@ def run_suite(
             f"  {built['seconds']:.1f} s, table and indexes "
             f"{built['table_bytes'] / 1024 / 1024:,.0f} MiB"
         )
+    if "scrape" not in skip:
+        print(f"\nbuilding the scrape table: {sizes.scrape_rows:,} finished rows ...", flush=True)
+        built = bench.build_scrape()
+        out["scrape_table"] = built
+        print(
+            f"  {built['seconds']:.1f} s, table and indexes "
+            f"{built['table_bytes'] / 1024 / 1024:,.0f} MiB"
+        )
     plan: list[tuple[str, str, Callable[[], dict[str, Any]]]] = [
         ("w1", "w1_1x8", lambda: bench.execute(processes=1, concurrency=sizes.concurrency)),
         ("w1", "w1_2x4", lambda: bench.execute(processes=2, concurrency=sizes.concurrency // 2)),
@@ -303,6 +322,10 @@ def run_suite(
         ("keys", "w1_4x2_keys10", lambda: bench.execute(processes=4, concurrency=2, keys=10)),
         ("ceiling", "ceiling", bench.ceiling),
         ("ceiling", "naive", bench.naive),
+        # The metrics view's queries (docs/monitoring.md): the same live jobs over an empty
+        # table and over --scrape-rows finished rows.
+        ("scrape", "scrape_empty", lambda: bench.scrape(finished=False)),
+        ("scrape", "scrape_full", lambda: bench.scrape(finished=True)),
     ]
     if bench.pgbench is None and "ceiling" not in skip:
         print("pgbench not found: the SQL ceiling is not measured")
@@ -332,7 +355,7 @@ def run_suite(
         out["rss"] = bench.rss()
         print(f"  {out['rss']['jobs_per_s']:,.0f} jobs/s", flush=True)
 
-    rows = report.build_rows(runs, out["rss"], sizes.history_rows)
+    rows = report.build_rows(runs, out["rss"], sizes.history_rows, sizes.scrape_rows)
     targets = report.build_targets(rows, out["rss"], sizes.history_rows)
     out["summary"] = [row.as_json() for row in rows]
     out["targets"] = [vars(t) | {"verdict": t.verdict} for t in targets]

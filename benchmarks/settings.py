@@ -2,7 +2,8 @@
 benchmark's own job module and an alias for the database that holds a long done history.
 
 ``DATABASE_URL`` (read by the testproject settings) names the empty-history database;
-``BENCH_HISTORY_DATABASE_URL`` the one with the done rows (alias ``history``).
+``BENCH_HISTORY_DATABASE_URL`` the one with the done rows (alias ``history``);
+``BENCH_SCRAPE_DATABASE_URL`` the scrape section's (alias ``scrape``).
 """
 
 from __future__ import annotations
@@ -24,3 +25,5 @@ PGJOBS: dict[str, Any] = {
 DATABASES: dict[str, dict[str, Any]] = dict(_base.DATABASES)
 if os.environ.get("BENCH_HISTORY_DATABASE_URL"):
     DATABASES["history"] = dict(dj_database_url.parse(os.environ["BENCH_HISTORY_DATABASE_URL"]))
+if os.environ.get("BENCH_SCRAPE_DATABASE_URL"):
+    DATABASES["scrape"] = dict(dj_database_url.parse(os.environ["BENCH_SCRAPE_DATABASE_URL"]))

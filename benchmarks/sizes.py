@@ -21,6 +21,8 @@ class Sizes:
     naive_jobs: int = 10_000
     clients: int = 8
     pgbench_threads: int = 2
+    scrape_rows: int = 10_000_000  # finished rows under the metrics scrape
+    scrapes: int = 100  # timed scrapes per run and table
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -33,4 +35,6 @@ class Sizes:
             rss_jobs=20_000,
             ceiling_jobs=20_000,
             naive_jobs=2_000,
+            scrape_rows=1_000_000,
+            scrapes=50,
         )

@@ -40,6 +40,23 @@ WHERE id = (SELECT id FROM pgjobs_job WHERE status = 'queued' ORDER BY run_at LI
 RETURNING id, attempts;
 """
 
+# The scrape's live jobs, the same over both tables: 4 queues, each with 100 ready, 20
+# scheduled, 10 running (2 of them with expired leases) and 5 failed jobs.
+SCRAPE_READY = 400
+SCRAPE_LIVE = """
+INSERT INTO pgjobs_job (queue, task, payload, status, run_at, attempts, locked_until,
+                        finished_at)
+SELECT 'q' || q, %s, '{}', s.status, now() + s.run_in, s.attempts, now() + s.lease,
+       CASE WHEN s.status = 'failed' THEN now() END
+FROM generate_series(1, 4) q,
+     (VALUES ('queued', interval '-1 minute', 0, NULL::interval, 100),
+             ('queued', interval '1 hour', 0, NULL, 20),
+             ('running', interval '-1 minute', 1, interval '5 minutes', 8),
+             ('running', interval '-10 minutes', 1, interval '-1 minute', 2),
+             ('failed', interval '-1 hour', 5, NULL, 5)) AS s(status, run_in, attempts, lease, n),
+     generate_series(1, s.n)
+"""
+
 BARE_INSERT = (
     "INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at) "
     "VALUES (%s, %s, %s::jsonb, %s, %s, now())"
@@ -55,6 +72,7 @@ class Bench:
         sizes: Sizes,
         bench_url: str,
         history_url: str,
+        scrape_url: str,
         pgbench: Path | None,
         log: IO[str],
         worker_log_level: str,
@@ -67,6 +85,8 @@ class Bench:
         self.worker_log_level = worker_log_level
         self.admin = Admin(bench_url)
         self.history = Admin(history_url)
+        self.scrape_table = Admin(scrape_url)
+        self.scrape_floor = 0
         self.cpu = ServerCpu.of_backend(self.admin.backend_pid())
         self.history_floor = 0
         self.scratch = Path(tempfile.mkdtemp(prefix="pgjobs-bench-"))
@@ -74,6 +94,7 @@ class Bench:
     def close(self) -> None:
         self.admin.close()
         self.history.close()
+        self.scrape_table.close()
         for path in self.scratch.iterdir():
             path.unlink()
         self.scratch.rmdir()
@@ -520,6 +541,73 @@ class Bench:
             "tps": float(tps.group(1)),
             "seconds": transactions / float(tps.group(1)),
         }
+
+    # -- scrape -----------------------------------------------------------------------------
+
+    def build_scrape(self) -> dict[str, Any]:
+        """The scrape database's finished rows (done, as the worker leaves them), then
+        ``VACUUM (ANALYZE)``; the plans of the scrape's statements over them go in the JSON."""
+        started = time.monotonic()
+        admin = self.scrape_table
+        admin.truncate()
+        admin.fill(self.sizes.scrape_rows, status="done")
+        admin.run("VACUUM (ANALYZE) pgjobs_job")
+        admin.checkpoint()
+        seconds = time.monotonic() - started
+        self.scrape_floor = int(admin.one("SELECT max(id) FROM pgjobs_job") or 0)
+        plans = {}
+        for name in ("QUEUE_DEPTH", "RUNNING_BY_QUEUE", "FAILED_BY_QUEUE", "LIVE_WORKERS"):
+            rows = admin.conn.execute("EXPLAIN (COSTS OFF) " + getattr(sql, name)).fetchall()
+            plans[name] = "\n".join(row[0] for row in rows)
+        return {
+            "rows": self.sizes.scrape_rows,
+            "seconds": seconds,
+            "table_bytes": admin.one("SELECT pg_total_relation_size('pgjobs_job')"),
+            "plans": plans,
+        }
+
+    def scrape(self, *, finished: bool) -> dict[str, Any]:
+        """``metrics.scrape()`` (the metrics view's queries and its encoding) ``scrapes``
+        times, over the same live jobs (``SCRAPE_LIVE``) on an empty table or on the finished
+        rows; each scrape's ready count is checked against what was inserted."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from django_pgjobs import metrics
+
+        admin, alias = (self.scrape_table, "scrape") if finished else (self.admin, "default")
+        floor = self.scrape_floor if finished else 0
+        self._cut_back(admin, floor)
+        admin.run(SCRAPE_LIVE, (TASK,))
+        admin.run("ANALYZE pgjobs_job")
+        admin.checkpoint()
+        timings = []
+        for _ in range(self.sizes.scrapes):
+            t0 = time.perf_counter()
+            body, _content_type = metrics.scrape(alias)
+            timings.append((time.perf_counter() - t0) * 1000)
+            ready = sum(
+                sample.value
+                for family in text_string_to_metric_families(body.decode())
+                if family.name == "pgjobs_queue_ready_jobs"
+                for sample in family.samples
+            )
+            if ready != SCRAPE_READY:
+                raise BenchAbort(f"scrape: {ready} ready jobs reported, {SCRAPE_READY} inserted")
+        self._cut_back(admin, floor)
+        return {
+            "scrapes": self.sizes.scrapes,
+            "finished_rows": self.sizes.scrape_rows if finished else 0,
+            "scrape_ms": statistics.median(timings),
+            "bytes": len(body),
+        }
+
+    @staticmethod
+    def _cut_back(admin: Admin, floor: int) -> None:
+        if floor == 0:
+            admin.truncate()
+            return
+        admin.run("DELETE FROM pgjobs_job WHERE id > %s", (floor,))
+        admin.run("VACUUM pgjobs_job")
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -48,6 +48,8 @@ _IDS = {
     "NOTIFY": "pgjobs.E012",
     "PREPARE": "pgjobs.E013",
     "CLAIM_REGISTERED_ONLY": "pgjobs.E014",
+    "HEALTH_THRESHOLDS": "pgjobs.E015",
+    "MONITORING_TOKEN": "pgjobs.E016",
 }
 _HINTS = {
     "MODE": "'lease' (the default) commits each claim at once; 'transaction' runs each job "
@@ -64,6 +66,10 @@ _HINTS = {
     "prepared-statement support.",
     "CLAIM_REGISTERED_ONLY": "True (the default) claims only jobs whose task the worker has "
     "registered; False claims any job.",
+    "HEALTH_THRESHOLDS": "For example {'lag': 120}: the oldest ready job may wait 120 s before "
+    "views.health answers 503 and jobsdoctor --watch alarms.",
+    "MONITORING_TOKEN": "None (the default: staff sessions only), or a long random string "
+    "such as secrets.token_urlsafe(32), read from the environment.",
 }
 
 

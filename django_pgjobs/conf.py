@@ -68,6 +68,12 @@ DEFAULTS: dict[str, Any] = {
     # Periodic jobs for tasks that cannot be decorated with @periodic:
     # {"name": {"task": "dotted.name", "cron": "*/5 * * * *", "kwargs": {...}}, ...}.
     "SCHEDULE": {},
+    # The doctor's thresholds for views.health and jobsdoctor --watch, by name ("lag": seconds
+    # the oldest ready job may wait, ...); the ones left out keep doctor.Thresholds' defaults.
+    "HEALTH_THRESHOLDS": {},
+    # A bearer token that lets a monitoring system read views.metrics and views.health without
+    # a staff session; None: staff sessions only.
+    "MONITORING_TOKEN": None,
 }
 
 MODES = validation.MODES
@@ -184,3 +190,14 @@ def imports() -> list[str]:
 def schedule() -> object:
     """``PGJOBS["SCHEDULE"]`` as written (the checks report a bad shape)."""
     return get("SCHEDULE")
+
+
+def health_thresholds() -> dict[str, Any]:
+    """The thresholds set, by ``doctor.Thresholds`` field name (seconds; ``slot_age`` an int)."""
+    thresholds: dict[str, Any] = value("HEALTH_THRESHOLDS")
+    return thresholds
+
+
+def monitoring_token() -> str | None:
+    token: str | None = value("MONITORING_TOKEN")
+    return token

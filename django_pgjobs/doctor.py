@@ -17,22 +17,30 @@ queue no live worker serves, or whose task none of them has registered, waits fo
 
 ``diagnose()`` gathers the facts into a ``Report`` and then runs each function of
 ``CHECKS`` on it; each returns its problems as sentences that say what to do. A new check is
-one more function in that list.
+one more function in that list. Each problem is also kept as a ``Finding`` that names its check
+and says whether it is an outage (``SERVING_CHECKS``: ready jobs are not being run), which is
+what the health endpoint answers 503 for and ``Watch`` (``jobsdoctor --watch``) alarms on; the
+other findings (vacuum, failures, schedules) are warnings there.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connections
+from django.core.mail import mail_admins
+from django.db import DatabaseError, connections
 
-from django_pgjobs import conf, schedules, sql
+from django_pgjobs import conf, schedules, signals, sql
 from django_pgjobs.lifecycle import last_line
 from django_pgjobs.models import QueueState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -175,6 +183,11 @@ class Thresholds:
     slot_age: int = 100_000
     naptimes: float = 10.0
 
+    @classmethod
+    def from_settings(cls) -> Thresholds:
+        """The defaults, with the ones ``PGJOBS["HEALTH_THRESHOLDS"]`` sets."""
+        return cls(**conf.health_thresholds())
+
     def __post_init__(self) -> None:
         for name in ("idle", "transaction", "lag", "slot_age", "naptimes"):
             value = getattr(self, name)
@@ -208,6 +221,16 @@ class Holder:
         return f"{self.kind} {self.name} ({self.detail})"
 
 
+@dataclass(frozen=True)
+class Finding:
+    """One problem of a report: the check that found it (``queue_lag``, ``expired_leases``,
+    ...), its sentence, and whether it is an outage (ready jobs are not being run)."""
+
+    check: str
+    problem: str
+    outage: bool
+
+
 @dataclass
 class Report:
     """Everything ``jobsdoctor`` shows; ``problems`` is empty when the queue is healthy."""
@@ -238,6 +261,7 @@ class Report:
     # Queues an operator paused: information, not a problem (their jobs wait on purpose).
     paused: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
@@ -306,7 +330,12 @@ def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> 
         unrunnable=unrunnable(alias),
         paused=[name for name, state in queue_control(alias).items() if state.paused],
     )
-    report.problems = [problem for check in CHECKS for problem in check(report, limits)]
+    report.findings = [
+        Finding(check.__name__.removeprefix("check_"), problem, check in SERVING_CHECKS)
+        for check in CHECKS
+        for problem in check(report, limits)
+    ]
+    report.problems = [finding.problem for finding in report.findings]
     return report
 
 
@@ -643,6 +672,106 @@ CHECKS: list[Check] = [
     check_autovacuum_behind,
     check_schedules,
 ]
+
+
+# The checks whose findings are outages: jobs that should run are not being run (they wait
+# past the lag threshold, no live worker can run them, or their worker is gone).
+SERVING_CHECKS: tuple[Check, ...] = (check_queue_lag, check_unrunnable, check_expired_leases)
+
+
+def examine(
+    alias: str | None = None, thresholds: Thresholds | None = None
+) -> tuple[Report | None, list[Finding]]:
+    """``diagnose()`` for the health endpoint and ``Watch``: the report and its findings, or,
+    when the database cannot be read, no report and one ``database`` outage (no worker can
+    claim from it either); the connection is closed so that the next call reconnects."""
+    try:
+        report = diagnose(alias, thresholds)
+    except DatabaseError as exc:
+        connections[alias or conf.database()].close()
+        return None, [Finding("database", f"the jobs table could not be read: {exc}", True)]
+    return report, report.findings
+
+
+class Watch:
+    """``jobsdoctor --watch``: diagnose on every ``tick()`` and raise an alarm once per breach.
+
+    A breach begins with a tick that finds an outage (a ``Finding`` with ``outage``) and ends
+    with the first tick that finds none; its alarm (the ``queue_unhealthy`` signal, an ERROR
+    log line and, with ``mail``, ``mail_admins``) goes out at its first tick only, so a queue
+    that stays down is not reported every interval. Once it is healthy again, the next outage
+    is a new breach. Warnings (vacuum, failures) never alarm: they do not stop jobs from being
+    served.
+    """
+
+    def __init__(
+        self,
+        alias: str | None = None,
+        thresholds: Thresholds | None = None,
+        *,
+        mail: bool = False,
+    ) -> None:
+        self.alias = alias
+        self.thresholds = thresholds or Thresholds.from_settings()
+        self.mail = mail
+        self.breached = False
+
+    def tick(self) -> list[Finding]:
+        """Diagnose once and alarm if this tick begins a breach; return its findings.
+
+        A database that cannot be read is an outage too (see ``examine()``).
+        """
+        _report, findings = examine(self.alias, self.thresholds)
+        outages = [finding for finding in findings if finding.outage]
+        if outages and not self.breached:
+            self.alarm(outages)
+        elif not outages and self.breached:
+            logger.info("queue healthy again", extra={"action": "watch"})
+        self.breached = bool(outages)
+        return findings
+
+    def run(
+        self,
+        interval: float,
+        *,
+        count: int | None = None,
+        stop: threading.Event | None = None,
+        report: Callable[[list[Finding]], None] | None = None,
+    ) -> None:
+        """``tick()`` every ``interval`` seconds, ``count`` times (None: until ``stop`` is
+        set); ``report`` is handed each tick's findings."""
+        stop = stop or threading.Event()
+        ticks = 0
+        while not stop.is_set():
+            findings = self.tick()
+            if report is not None:
+                report(findings)
+            ticks += 1
+            if count is not None and ticks >= count:
+                return
+            stop.wait(interval)
+
+    def alarm(self, findings: list[Finding]) -> None:
+        """The breach's one alarm: an ERROR log line, ``queue_unhealthy``, and the mail."""
+        text = "\n".join(f"- {finding.problem}" for finding in findings)
+        logger.error(
+            "queue unhealthy: %s problem(s):\n%s",
+            len(findings),
+            text,
+            extra={"action": "watch", "checks": [finding.check for finding in findings]},
+        )
+        signals.send(signals.queue_unhealthy, sender=Watch, findings=findings)
+        if not self.mail:
+            return
+        try:
+            mail_admins(
+                f"Job queue unhealthy: {len(findings)} problem(s)",
+                "jobsdoctor --watch found jobs that are not being run:\n\n"
+                f"{text}\n\nNo further mail is sent until the queue has been healthy again.",
+            )
+        except Exception:
+            # The log line above has the alarm; a mail server down must not end the watch.
+            logger.exception("could not mail the admins", extra={"action": "watch"})
 
 
 def one_line(text: str | None) -> str:

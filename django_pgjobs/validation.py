@@ -379,6 +379,50 @@ def imports(value: object, name: str = "imports") -> list[str]:
     return list(value)
 
 
+# The thresholds of doctor.Thresholds that PGJOBS["HEALTH_THRESHOLDS"] may set (a test keeps
+# the two in step): seconds, but ``slot_age`` counts transactions.
+HEALTH_THRESHOLDS = ("idle", "transaction", "lag", "slot_age", "naptimes")
+# The shortest PGJOBS["MONITORING_TOKEN"]: a bearer token is a password sent on every scrape.
+MIN_TOKEN_LENGTH = 16
+
+
+def health_thresholds(value: object, name: str = "health thresholds") -> dict[str, float]:
+    """The doctor's thresholds a project sets for ``views.health`` and ``jobsdoctor --watch``:
+    a dict of known names to numbers, 0 or more (``slot_age`` a whole number)."""
+    if not isinstance(value, Mapping):
+        raise InvalidJobOptions(f"Invalid {name} {show(value)}: use a dict such as {{'lag': 300}}.")
+    found: dict[str, float] = {}
+    for key, number in value.items():
+        if key not in HEALTH_THRESHOLDS:
+            raise InvalidJobOptions(
+                f"Invalid {name}: unknown threshold {show(key)}; known ones are "
+                f"{', '.join(HEALTH_THRESHOLDS)}."
+            )
+        where = f"{name}[{key!r}]"
+        if key == "slot_age":
+            found[key] = whole_number(where, number, minimum=0, maximum=2**63 - 1)
+        else:
+            found[key] = seconds(where, number)
+    return found
+
+
+def monitoring_token(value: object, name: str = "monitoring token") -> str | None:
+    """None (only staff sessions may read the monitoring views), or a bearer token of at least
+    ``MIN_TOKEN_LENGTH`` printable ASCII characters (it travels in an HTTP header)."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or len(value) < MIN_TOKEN_LENGTH
+        or not all("!" <= c <= "~" for c in value)
+    ):
+        raise InvalidJobOptions(
+            f"Invalid {name}: use None or a string of at least {MIN_TOKEN_LENGTH} printable "
+            "ASCII characters without spaces (for example secrets.token_urlsafe(32))."
+        )
+    return value
+
+
 def _setting(key: str) -> str:
     return f"PGJOBS[{key!r}]"
 
@@ -420,6 +464,8 @@ SETTINGS: dict[str, Callable[[object], Any]] = {
     "MAX_CRASHES": _whole("MAX_CRASHES"),
     "MAX_STUCK_EXECUTORS": _whole("MAX_STUCK_EXECUTORS"),
     "IMPORTS": lambda value: imports(value, _setting("IMPORTS")),
+    "HEALTH_THRESHOLDS": lambda value: health_thresholds(value, _setting("HEALTH_THRESHOLDS")),
+    "MONITORING_TOKEN": lambda value: monitoring_token(value, _setting("MONITORING_TOKEN")),
 }
 
 

@@ -12,6 +12,8 @@ import contextlib
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -267,3 +269,37 @@ def worker_record(
         "started_at": datetime.now(dt_timezone.utc),
         "ttl": ttl,
     }
+
+
+def http_get(
+    url: str, headers: dict[str, str] | None = None, method: str = "GET"
+) -> tuple[int, dict[str, str], bytes]:
+    """One real HTTP request (to ``live_server``): status, headers and body, for any status."""
+    request = urllib.request.Request(url, headers=headers or {}, method=method)  # noqa: S310
+    try:
+        with urllib.request.urlopen(request, timeout=PATIENCE) as response:  # noqa: S310
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, dict(error.headers), error.read()
+
+
+def session_cookie(user: Any) -> str:
+    """A ``Cookie`` header value that signs ``user`` in on a real HTTP request (the session
+    is saved in the database, which the live server reads)."""
+    from django.conf import settings
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    name = settings.SESSION_COOKIE_NAME
+    return f"{name}={client.cookies[name].value}"
+
+
+def register_worker(
+    worker_id: str, queues: dict[str, int | None], tasks: list[str] | None = None
+) -> None:
+    """A live worker's registry row, written with the worker's own ``sql.WORKER_BEAT``."""
+    from django_pgjobs import sql
+
+    sql.run(connections["default"], sql.WORKER_BEAT, worker_record(worker_id, queues, tasks))

@@ -39,6 +39,8 @@ VALID: dict[str, Any] = {
     "MAX_CRASHES": 1,
     "MAX_STUCK_EXECUTORS": 1,
     "SCHEDULE": {"nightly": {"task": "testproject.testjobs.noop", "cron": "0 2 * * *"}},
+    "HEALTH_THRESHOLDS": {"lag": 60, "slot_age": 0},
+    "MONITORING_TOKEN": "a-monitoring-token-of-32-characters",
 }
 
 BAD: list[tuple[Any, str]] = [
@@ -94,6 +96,9 @@ BAD: list[tuple[Any, str]] = [
     ({"PREPARE": 1}, "pgjobs.E013"),
     ({"CLAIM_REGISTERED_ONLY": "no"}, "pgjobs.E014"),
     ({"CLAIM_REGISTERED_ONLY": 0}, "pgjobs.E014"),
+    ({"HEALTH_THRESHOLDS": {"lag": "5m"}}, "pgjobs.E015"),
+    ({"HEALTH_THRESHOLDS": None}, "pgjobs.E015"),
+    ({"MONITORING_TOKEN": ""}, "pgjobs.E016"),
 ]
 
 

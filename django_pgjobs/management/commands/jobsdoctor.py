@@ -1,14 +1,21 @@
-"""``manage.py jobsdoctor``: the queue's health report; exit status 1 when unhealthy."""
+"""``manage.py jobsdoctor``: the queue's health report; exit status 1 when unhealthy.
+
+With ``--watch SECONDS`` it runs ``doctor.Watch`` instead: a line per check, and one alarm per
+breach (see ``Watch``) until it is stopped (SIGINT, SIGTERM) or has run ``--count`` checks.
+"""
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 from argparse import ArgumentParser
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
 from django_pgjobs import doctor
 from django_pgjobs.lifecycle import last_line
@@ -22,48 +29,78 @@ class Command(BaseCommand):
         parser.add_argument(
             "--idle-threshold",
             type=float,
-            default=5.0,
             metavar="SECONDS",
-            help="Report sessions idle in transaction longer than this (default 5).",
+            help=(
+                "Report sessions idle in transaction longer than this (default 5, or "
+                "PGJOBS['HEALTH_THRESHOLDS']['idle'])."
+            ),
         )
         parser.add_argument(
             "--transaction-threshold",
             type=float,
-            default=300.0,
             metavar="SECONDS",
-            help="Report the oldest open transaction when older than this (default 300).",
+            help=(
+                "Report the oldest open transaction when older than this (default 300, or "
+                "PGJOBS['HEALTH_THRESHOLDS']['transaction'])."
+            ),
         )
         parser.add_argument(
             "--lag-threshold",
             type=float,
-            default=300.0,
             metavar="SECONDS",
-            help="Report a queue whose oldest ready job waited longer (default 300).",
+            help=(
+                "Report a queue whose oldest ready job waited longer (default 300, or "
+                "PGJOBS['HEALTH_THRESHOLDS']['lag'])."
+            ),
         )
         parser.add_argument(
             "--slot-age-threshold",
             type=int,
-            default=100_000,
             metavar="TRANSACTIONS",
             help=(
                 "Report a replication slot holding back vacuum of the jobs table once its xmin "
-                "is older than this many transactions (default 100000)."
+                "is older than this many transactions (default 100000, or "
+                "PGJOBS['HEALTH_THRESHOLDS']['slot_age'])."
             ),
         )
         parser.add_argument("--database", help="Database alias of the jobs table.")
+        parser.add_argument(
+            "--watch",
+            type=float,
+            metavar="SECONDS",
+            help=(
+                "Check every SECONDS until stopped; on a breach (jobs not being run) send "
+                "queue_unhealthy and log at ERROR, once until the queue is healthy again."
+            ),
+        )
+        parser.add_argument(
+            "--count",
+            type=int,
+            metavar="N",
+            help="With --watch: stop after N checks (default: run until SIGINT or SIGTERM).",
+        )
+        parser.add_argument(
+            "--mail-admins",
+            action="store_true",
+            help="With --watch: also send each breach's alarm to settings.ADMINS (mail_admins).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        given = {}
         for name in ("idle", "transaction", "lag", "slot_age"):
             value = options[f"{name}_threshold"]
+            if value is None:
+                continue
             if not value >= 0:  # NaN too
                 option = "--" + name.replace("_", "-") + "-threshold"
                 raise CommandError(f"{option} must be 0 or more (got {value}).")
-        limits = doctor.Thresholds(
-            idle=options["idle_threshold"],
-            transaction=options["transaction_threshold"],
-            lag=options["lag_threshold"],
-            slot_age=options["slot_age_threshold"],
-        )
+            given[name] = value
+        limits = replace(doctor.Thresholds.from_settings(), **given)
+        if options["watch"] is not None:
+            self._watch(limits, options)
+            return
+        if options["count"] is not None or options["mail_admins"]:
+            raise CommandError("--count and --mail-admins go with --watch SECONDS.")
         report = doctor.diagnose(options["database"], limits)
         if options["json"]:
             self.stdout.write(json.dumps(_plain(report), indent=2, default=str))
@@ -71,6 +108,27 @@ class Command(BaseCommand):
             self._print(report)
         if not report.healthy:
             sys.exit(1)
+
+    def _watch(self, limits: doctor.Thresholds, options: dict[str, Any]) -> None:
+        interval, count = options["watch"], options["count"]
+        if not interval > 0:  # NaN too
+            raise CommandError(f"--watch must be a number of seconds above 0 (got {interval}).")
+        if count is not None and count < 1:
+            raise CommandError(f"--count must be 1 or more (got {count}).")
+        stop = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        watch = doctor.Watch(options["database"], limits, mail=options["mail_admins"])
+        watch.run(interval, count=count, stop=stop, report=self._print_tick)
+
+    def _print_tick(self, findings: list[doctor.Finding]) -> None:
+        outages = [finding for finding in findings if finding.outage]
+        warnings = len(findings) - len(outages)
+        state = f"UNHEALTHY: {len(outages)} outage(s)" if outages else "healthy"
+        self.stdout.write(f"{timezone.now():%Y-%m-%d %H:%M:%S%z} {state}, {warnings} warning(s)")
+        for finding in outages:
+            self.stdout.write(f"  OUTAGE: {finding.problem}")
+        self.stdout.flush()
 
     def _print(self, report: doctor.Report) -> None:
         write = self.stdout.write
