@@ -473,11 +473,12 @@ Check = Callable[[Report, Thresholds], list[str]]
 
 
 def check_queue_lag(report: Report, limits: Thresholds) -> list[str]:
+    """A paused queue's jobs wait on purpose: the report lists it as paused, not as late."""
     return [
         f"queue {queue.queue}: the oldest ready job has waited {queue.lag_seconds:.0f} s "
         f"({queue.ready} ready): workers are not keeping up or not running."
         for queue in report.queues
-        if queue.lag_seconds > limits.lag
+        if queue.lag_seconds > limits.lag and queue.queue not in report.paused
     ]
 
 

@@ -22,6 +22,7 @@ from django.db import connection
 
 from django_pgjobs import checks, doctor, signals, validation
 from django_pgjobs.doctor import Finding
+from django_pgjobs.models import Job
 from tests.helpers import http_get, make_job, register_worker, session_cookie, wait_until
 from tests.workers import Workers
 
@@ -87,6 +88,23 @@ def test_the_lag_threshold_comes_from_the_settings(
     settings.PGJOBS = {**settings.PGJOBS, "HEALTH_THRESHOLDS": {"lag": 3600}}
     status, body = health(live_server.url, token)
     assert status == 200, body
+
+
+def test_a_paused_queue_is_not_late_however_long_its_jobs_wait(
+    live_server: Any, token: str, settings: Any
+) -> None:
+    register_worker("web-1:1", {"default": None})
+    make_job(run_at=timedelta(minutes=-10))
+    settings.PGJOBS = {**settings.PGJOBS, "HEALTH_THRESHOLDS": {"lag": 60}}
+    Job.objects.pause("default")
+    status, body = health(live_server.url, token)
+    assert status == 200, body
+    assert body["paused"] == ["default"]
+
+    Job.objects.resume("default")
+    status, body = health(live_server.url, token)
+    assert status == 503
+    assert checks_of(body) == {"queue_lag"}
 
 
 def test_ready_jobs_no_live_worker_serves_are_a_503_until_one_does(
