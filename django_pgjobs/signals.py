@@ -23,7 +23,9 @@ from django.dispatch import Signal
 
 logger = logging.getLogger("django_pgjobs.signals")
 
-OUTCOMES = ("done", "retry", "failed", "cancelled", "lost")
+# How an attempt ended, as ``job_finished`` says it: "snoozed" is an attempt that raised
+# ``Snooze`` (queued again for later, its attempt not a failure).
+OUTCOMES = ("done", "retry", "failed", "cancelled", "lost", "snoozed")
 
 job_enqueued = Signal()
 job_started = Signal()

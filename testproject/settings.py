@@ -114,3 +114,11 @@ LOGGING = {
         }
     },
 }
+# The tests' record of the worker's warnings and errors with their `extra` fields, as an error
+# reporter sees them: PGJOBS_TEST_LOG_RECORDS=<file> (tests/signal_receivers.py).
+if os.environ.get("PGJOBS_TEST_LOG_RECORDS"):
+    LOGGING["handlers"]["records"] = {
+        "class": "tests.signal_receivers.RecordHandler",
+        "path": os.environ["PGJOBS_TEST_LOG_RECORDS"],
+    }
+    LOGGING["loggers"]["django_pgjobs"]["handlers"].append("records")
