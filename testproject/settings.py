@@ -102,7 +102,7 @@ for _name in ("NOTIFY", "PREPARE", "WORKER_SYNCHRONOUS_COMMIT"):
 if os.environ.get("PGJOBS_SCHEDULE"):
     PGJOBS["SCHEDULE"] = json.loads(os.environ["PGJOBS_SCHEDULE"])
 
-LOGGING = {
+LOGGING: dict[str, Any] = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},

@@ -6,8 +6,9 @@ Nothing is connected unless the worker's environment asks:
 
 - ``PGJOBS_TEST_SIGNALS=<file>``: each ``job_started`` and ``job_finished`` is appended to the
   file as one JSON line (what the tests read back);
-- ``PGJOBS_TEST_SIGNALS_RAISE=1``: a receiver that raises is connected first, before the
-  recording one (which must still be called);
+- ``PGJOBS_TEST_SIGNALS_RAISE=error``: a receiver that raises a ``RuntimeError`` is connected
+  first, before the recording one (which must still be called); ``=exit``: one that calls
+  ``sys.exit()`` (connected last, after the recording one);
 - ``PGJOBS_TEST_LOG_RECORDS=<file>``: each WARNING-or-worse record of the ``django_pgjobs``
   loggers is appended as one JSON line with its ``extra`` fields and exception type
   (``testproject/settings.py`` adds :class:`RecordHandler` to ``LOGGING``: a handler added
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
@@ -46,6 +48,10 @@ def read(path: Any) -> list[dict[str, Any]]:
 
 def raising(sender: Any, **named: Any) -> None:
     raise RuntimeError("this receiver fails on purpose")
+
+
+def exiting(sender: Any, **named: Any) -> None:
+    sys.exit("this receiver exits on purpose")
 
 
 def record_started(sender: Any, job: Any, **named: Any) -> None:
@@ -111,8 +117,11 @@ class RecordHandler(logging.Handler):
 
 
 if os.environ.get(SIGNALS):
-    if os.environ.get(RAISE):
+    if os.environ.get(RAISE) == "error":
         job_started.connect(raising)
         job_finished.connect(raising)
     job_started.connect(record_started)
     job_finished.connect(record_finished)
+    if os.environ.get(RAISE) == "exit":
+        job_started.connect(exiting)
+        job_finished.connect(exiting)

@@ -193,22 +193,43 @@ def test_a_job_whose_lease_is_taken_finishes_as_lost(workers: Workers, tmp_path:
     assert outcomes(path, job_id) == [("lost", 1, None)]
 
 
-def test_a_raising_receiver_is_logged_and_changes_nothing(workers: Workers, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["lease", "transaction"])
+def test_a_raising_receiver_is_logged_and_changes_nothing(
+    workers: Workers, tmp_path: Path, mode: str
+) -> None:
     path = tmp_path / "signals.jsonl"
     done = Job.objects.enqueue(noop, {}).id
     failed = Job.objects.enqueue(boom, {}, max_attempts=1).id
-    worker = workers.burst(test_jobs=True, env={SIGNALS: str(path), RAISE: "1"})
+    worker = workers.burst("--mode", mode, test_jobs=True, env={SIGNALS: str(path), RAISE: "error"})
 
     assert (status(done), status(failed)) == ("done", "failed")
     assert "RuntimeError: boom" in job_row(failed)["last_error"]
     log = worker.log()
-    assert "a receiver of job_started raised" in log
-    assert "a receiver of job_finished raised" in log
+    assert "a receiver of job_started raised: raising" in log
+    assert "a receiver of job_finished raised: raising" in log
     assert "RuntimeError: this receiver fails on purpose" in log
     # The receiver connected after the raising one was still called.
     assert outcomes(path, done) == [("done", 1, None)]
     assert outcomes(path, failed) == [("failed", 1, "RuntimeError")]
     assert "ran 2 jobs: 1 done, 0 to retry, 1 failed, 0 lost" in worker.output()
+
+
+@pytest.mark.parametrize("mode", ["lease", "transaction"])
+def test_a_receiver_that_exits_stops_neither_the_job_nor_the_worker(
+    workers: Workers, tmp_path: Path, mode: str
+) -> None:
+    path = tmp_path / "signals.jsonl"
+    first = Job.objects.enqueue(noop, {}).id
+    worker = workers.start("--mode", mode, test_jobs=True, env={SIGNALS: str(path), RAISE: "exit"})
+    wait_for_outcome(path, first, "done")
+    # The threads that ran and recorded it are alive: the next job runs and is recorded too.
+    second = Job.objects.enqueue(noop, {}).id
+    wait_for_outcome(path, second, "done")
+    stop(worker)
+    assert (status(first), status(second)) == ("done", "done")
+    assert "a receiver of job_finished raised SystemExit" in worker.log()
+    assert "a receiver of job_started raised SystemExit" in worker.log()
+    assert "ran 2 jobs: 2 done" in worker.output()
 
 
 # -- the error's log line ---------------------------------------------------------------------
