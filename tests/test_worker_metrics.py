@@ -152,6 +152,8 @@ def test_a_bad_port_or_address_is_a_command_error() -> None:
         call_command("runjobs", "--metrics-port", "70000")
     with pytest.raises(CommandError, match=r"Invalid metrics address '  '"):
         call_command("runjobs", "--metrics-port", "0", "--metrics-addr", "  ")
+    with pytest.raises(CommandError, match=r"only metrics_port starts \(runjobs --metrics-port"):
+        call_command("runjobs", "--metrics-addr", "127.0.0.2")
 
 
 def test_without_prometheus_client_the_flag_names_the_extra(tmp_path: Any) -> None:

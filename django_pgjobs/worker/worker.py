@@ -32,6 +32,7 @@ from django.db import DatabaseError, connections
 import django_pgjobs
 from django_pgjobs import conf, lifecycle, registry, schedules, validation
 from django_pgjobs.connections import connection_params
+from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker import metrics
@@ -194,6 +195,11 @@ class Worker:
         self.stuck = False
         # Only a worker asked to serve metrics keeps any (MetricsUnavailable without the
         # prometheus extra).
+        if metrics_addr is not None and metrics_port is None:
+            raise InvalidJobOptions(
+                f"metrics_addr {validation.show(metrics_addr)} is the address of the metrics "
+                "server, which only metrics_port starts (runjobs --metrics-port PORT)."
+            )
         self.metrics_port = None if metrics_port is None else metrics.port(metrics_port)
         self.metrics_addr = metrics.address("127.0.0.1" if metrics_addr is None else metrics_addr)
         self.metrics = WorkerMetrics() if self.metrics_port is not None else None
