@@ -43,6 +43,11 @@ class WorkerCrashed(PgJobsError):
     ``os._exit``, a segfault in a C extension) rather than with an exception."""
 
 
+class MetricsUnavailable(PgJobsError, RuntimeError):
+    """``runjobs --metrics-port`` cannot serve: ``prometheus_client`` (the ``prometheus``
+    extra) is not installed, or the address cannot be bound."""
+
+
 class JobTimeout(PgJobsError):
     """Recorded as the error of an attempt that ran past its ``timeout``."""
 

@@ -22,7 +22,7 @@ from django.db import connections, models, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_pgjobs import conf, lifecycle, registry, sql, validation
+from django_pgjobs import conf, lifecycle, registry, signals, sql, validation
 from django_pgjobs.exceptions import InvalidJobOptions, NotPostgreSQL, UniqueKeyBusy
 from django_pgjobs.lifecycle import (
     ERROR_LIMIT,
@@ -117,6 +117,9 @@ class _Plan:
     locks: list[str | None] | None
     # Whether the INSERT carries its own NOTIFY (else an on_commit hook sends it).
     here: bool
+    # Whether the task is a @job function, whose enqueues send job_enqueued (a django.tasks
+    # task's send Django's task_enqueued, from the backend).
+    announce: bool
 
     def notify(self, alias: str) -> None:
         """After a job was written: register the hook, unless the INSERT notified itself."""
@@ -270,6 +273,7 @@ class JobManager(models.Manager["Job"]):
         ]
         job = self.model.from_db(self.db_alias, [field.attname for field in columns], values)
         job.created = True
+        self._enqueued(plan, job=job)
         return job
 
     def enqueue_many(
@@ -321,6 +325,7 @@ class JobManager(models.Manager["Job"]):
         if not plan.keys:
             rows = self._insert_many(plan, sql.ENQUEUE, list(range(len(plan.texts))), None)
             plan.notify(self.db_alias)
+            self._enqueued(plan, ids=[row[0] for row in rows])
             return Enqueued([row[0] for row in rows], [True] * len(rows))
         # Each key is sent once, with its first payload; the later ones share its outcome.
         first: dict[str, int] = {}
@@ -346,7 +351,30 @@ class JobManager(models.Manager["Job"]):
         # After the block: in autocommit the hook runs once the rows are committed.
         if any(created):
             plan.notify(self.db_alias)
+            self._enqueued(plan, ids=[i for i, new in zip(ids, created, strict=True) if new])
         return Enqueued(ids, created)
+
+    def _enqueued(self, plan: _Plan, *, job: Job | None = None, ids: Sequence[int] = ()) -> None:
+        """Send ``job_enqueued`` for the new ``job`` (or each new job of ``ids``, read back in
+        one query) once the enqueue's transaction commits, as the NOTIFY is: at once in
+        autocommit, never for a rolled-back one. Only for ``@job`` functions, and only when
+        someone listens: otherwise an enqueue pays one check. Under manual transaction
+        management (``set_autocommit(False)``) Django has no ``on_commit``, so none is sent."""
+        from django_pgjobs.models import Job as sender
+
+        if not plan.announce or not signals.job_enqueued.has_listeners(sender):
+            return
+        connection = connections[self.db_alias]
+        if not connection.in_atomic_block and not connection.get_autocommit():
+            return
+        alias = self.db_alias
+
+        def send() -> None:
+            jobs = [job] if job is not None else sender.objects.using(alias).filter(id__in=ids)
+            for each in sorted(jobs, key=lambda row: row.id):
+                signals.send(signals.job_enqueued, sender, job=each)
+
+        transaction.on_commit(send, using=alias)
 
     def _insert_unique(
         self, plan: _Plan, keys: list[str | None], first: dict[str, int]
@@ -431,7 +459,7 @@ class JobManager(models.Manager["Job"]):
             "notify_channel": conf.channel() if here else None,
             "unique_while": mode if keys else None,
         }
-        return _Plan(connection, fields, params, texts, keys, locks, here)
+        return _Plan(connection, fields, params, texts, keys, locks, here, not func.stores_result)
 
     def _insert_many(
         self,

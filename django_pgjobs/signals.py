@@ -17,13 +17,16 @@ a job's outcome or stops the worker: :func:`send` is how the app sends every one
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from django.dispatch import Signal
 
 logger = logging.getLogger("django_pgjobs.signals")
 
-OUTCOMES = ("done", "retry", "failed", "cancelled", "lost")
+# How an attempt ended, as ``job_finished`` says it: "snoozed" is an attempt that raised
+# ``Snooze`` (queued again for later, its attempt not a failure).
+OUTCOMES = ("done", "retry", "failed", "cancelled", "lost", "snoozed")
 
 job_enqueued = Signal()
 job_started = Signal()
@@ -33,10 +36,29 @@ queue_unhealthy = Signal()
 
 def send(signal: Signal, sender: Any, **named: Any) -> None:
     """Send ``signal`` to every receiver; log (with the traceback) each receiver that raises,
-    and go on. Nothing a receiver does reaches the caller."""
+    and go on. Nothing a receiver does reaches the caller.
+
+    On the worker's threads even ``SystemExit`` (or ``KeyboardInterrupt``) from a receiver is
+    only logged, as the receivers after it are skipped: it is the receiver's own bug, since
+    signals land on the main thread, and letting it out would end the thread that runs or
+    records jobs. On the main thread (an enqueue in a web process or a script) it goes on up,
+    as the caller's own code would let it."""
     if not signal.has_listeners(sender):
         return
-    for receiver, result in signal.send_robust(sender, **named):
+    try:
+        responses = signal.send_robust(sender, **named)
+    except BaseException as exc:
+        if threading.current_thread() is threading.main_thread():
+            raise
+        logger.error(
+            "a receiver of %s raised %s; the receivers after it were skipped",
+            _name(signal),
+            type(exc).__name__,
+            exc_info=(type(exc), exc, exc.__traceback__),
+            extra={"action": "signal", "receiver": ""},
+        )
+        return
+    for receiver, result in responses:
         if isinstance(result, BaseException):
             logger.error(
                 "a receiver of %s raised: %s",

@@ -102,7 +102,7 @@ for _name in ("NOTIFY", "PREPARE", "WORKER_SYNCHRONOUS_COMMIT"):
 if os.environ.get("PGJOBS_SCHEDULE"):
     PGJOBS["SCHEDULE"] = json.loads(os.environ["PGJOBS_SCHEDULE"])
 
-LOGGING = {
+LOGGING: dict[str, Any] = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
@@ -114,3 +114,11 @@ LOGGING = {
         }
     },
 }
+# The tests' record of the worker's warnings and errors with their `extra` fields, as an error
+# reporter sees them: PGJOBS_TEST_LOG_RECORDS=<file> (tests/signal_receivers.py).
+if os.environ.get("PGJOBS_TEST_LOG_RECORDS"):
+    LOGGING["handlers"]["records"] = {
+        "class": "tests.signal_receivers.RecordHandler",
+        "path": os.environ["PGJOBS_TEST_LOG_RECORDS"],
+    }
+    LOGGING["loggers"]["django_pgjobs"]["handlers"].append("records")

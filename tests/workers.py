@@ -35,6 +35,7 @@ from django.db import connections
 
 import tests.retry_jobs  # noqa: F401 - a worker with test_jobs=True runs these jobs too
 from django_pgjobs import current_job, job, sql
+from tests import signal_receivers  # noqa: F401 - and has these receivers, when its env asks
 from tests.helpers import PATIENCE, job_row, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
@@ -42,6 +43,9 @@ from django_pgjobs.worker.outcomes import (
     finished,
 )
 from django_pgjobs.worker.store import Store
+
+if TYPE_CHECKING:
+    from django_pgjobs.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -69,6 +73,7 @@ class Completer(threading.Thread):
         on_retry: Callable[[], None] | None = None,
         on_timeout: Callable[[ClaimedJob], None] | None = None,
         on_written: Callable[[], None] | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         super().__init__(name="pgjobs-completer", daemon=True)
         self.store = store
@@ -84,6 +89,8 @@ class Completer(threading.Thread):
         self.beat = lease.total_seconds() / 3
         self.stats = stats
         self.worker_id = worker_id
+        # Fed with each outcome written (None: runjobs serves no metrics).
+        self.metrics = metrics
         self._cond = threading.Condition()
         self._pending: list[Outcome] = []
         self._running: dict[int, _Running] = {}
@@ -337,7 +344,13 @@ class Completer(threading.Thread):
                 cancelled = set()
             statuses = statuses | dict.fromkeys(cancelled, "cancelled")
         for o in group:
-            finished(o, statuses.get(o.job.id), stats=self.stats, worker_id=self.worker_id)
+            finished(
+                o,
+                statuses.get(o.job.id),
+                stats=self.stats,
+                worker_id=self.worker_id,
+                metrics=self.metrics,
+            )
         if self.on_retry is not None and "queued" in statuses.values():
             self.on_retry()
 

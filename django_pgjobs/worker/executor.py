@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from django.db import connections
 
-from django_pgjobs import registry, validation
+from django_pgjobs import registry, signals, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
 from django_pgjobs.exceptions import InvalidPayload, JobTimeout, Snooze, UnknownTask
 from django_pgjobs.lifecycle import ClaimedJob, Failure
@@ -27,6 +27,9 @@ from django_pgjobs.registry import JobFunction
 from django_pgjobs.worker.db import queue_connection, queue_database_away
 from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, SNOOZE, Outcome, WorkerStats
 from django_pgjobs.worker.store import Store
+
+if TYPE_CHECKING:
+    from django_pgjobs.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -38,7 +41,8 @@ MAX_OUTAGE_RELEASES = 10
 @dataclass(frozen=True)
 class Shared:
     """What both modes need from their worker: where statements run, the lease, the worker's
-    id and counters, its stop flag, and how to hand items to the executors."""
+    id and counters, its stop flag, how to hand items to the executors, and its metrics
+    (None: ``runjobs`` serves none)."""
 
     store: Store
     lease: timedelta
@@ -46,6 +50,7 @@ class Shared:
     stats: WorkerStats
     stopping: threading.Event
     hand_out: Callable[..., None]
+    metrics: WorkerMetrics | None = None
 
 
 class Mode(Protocol):
@@ -58,6 +63,9 @@ class Mode(Protocol):
 def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     """Run the registered function with the payload as keyword arguments.
 
+    ``job_started`` is sent just before the function is called (for ``@job`` functions: a
+    ``django.tasks`` task sends Django's ``task_started`` itself).
+
     A task whose result is kept must return a JSON value: anything else fails the attempt
     with ``InvalidResult`` rather than crash the worker later, when it is written. A job that
     raises ``Snooze`` is snoozed. Whatever else it raises (``SystemExit`` included) is its
@@ -67,16 +75,20 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     the job for good, at once.
     """
     if job.invalid_payload is not None:
-        failure = Failure.from_exception(
-            InvalidPayload(f"Job {job.id} ({job.task}, queue {job.queue}): {job.invalid_payload}.")
+        invalid = InvalidPayload(
+            f"Job {job.id} ({job.task}, queue {job.queue}): {job.invalid_payload}."
         )
-        return Outcome(job, FAIL, failure=failure, final=True)
+        return Outcome(
+            job, FAIL, failure=Failure.from_exception(invalid), final=True, error=invalid
+        )
     token = set_current_job(ctx)
     func = None
     before = queue_connection(alias)
     started = time.perf_counter()
     try:
         func = registry.get(job.task)
+        if not func.stores_result:
+            started_signal(job)
         value = func.func(**job.payload)
         if func.stores_result:
             validation.result(value)
@@ -97,7 +109,7 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
                     job.attempts,
                     extra={"action": "release", "job_id": job.id, "attempts": job.attempts},
                 )
-                return Outcome(job, RELEASE, duration, failure, outage=True)
+                return Outcome(job, RELEASE, duration, failure, outage=True, error=exc)
             logger.warning(
                 "job %s %s was released %s times after database outages; counting this attempt",
                 job.id,
@@ -109,6 +121,14 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     finally:
         reset_current_job(token)
     return Outcome(job, COMPLETE, time.perf_counter() - started, result=value)
+
+
+def started_signal(job: ClaimedJob) -> None:
+    """``job_started``, when someone listens (the sender: the ``Job`` model, imported here as
+    the worker's modules load before the apps are ready)."""
+    from django_pgjobs.models import Job
+
+    signals.send(signals.job_started, Job, job=job)
 
 
 def decide(
@@ -153,7 +173,7 @@ def failed(
     """A failed attempt, retried or not as the job's policy says (``decide()``); a task that
     is not registered is retried on the default schedule."""
     if func is None:
-        return Outcome(job, FAIL, duration, failure)
+        return Outcome(job, FAIL, duration, failure, error=exc)
     final, delay = decide(func, exc, job.attempts)
     return Outcome(
         job,
@@ -164,6 +184,7 @@ def failed(
         final=final,
         delay=delay,
         jitter=func.backoff_jitter,
+        error=exc,
     )
 
 

@@ -22,7 +22,7 @@ from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import reset_all, tidy
 from django_pgjobs.worker.executor import Shared, call, context
-from django_pgjobs.worker.outcomes import RELEASE, Outcome
+from django_pgjobs.worker.outcomes import RELEASE, Outcome, announce
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -31,6 +31,7 @@ class LeaseMode:
     def __init__(self, shared: Shared, completer: Completer) -> None:
         self.store, self.lease, self.worker_id = shared.store, shared.lease, shared.worker_id
         self.stats, self.stopping, self.hand_out = shared.stats, shared.stopping, shared.hand_out
+        self.metrics = shared.metrics
         self.completer = completer
         # The suspect running alone, until its outcome is written.
         self.solo: ClaimedJob | None = None
@@ -115,13 +116,16 @@ class LeaseMode:
             # executor: what it did now is too late to count.
             self._not_recorded(job, logging.WARNING, "returned after its timeout", "fail")
             return
+        # Taken from us while it ran: nothing is written, so the attempt ends here.
         if ctx.cancelled:
             self.stats.add("cancelled")
             self._not_recorded(job, logging.INFO, "was cancelled while running", "cancel")
+            announce(outcome, "cancelled", self.metrics)
             return
         if ctx.lost:
             self.stats.add("lost")
             self._not_recorded(job, logging.WARNING, "lost its lease while running", "extend_lease")
+            announce(outcome, "lost", self.metrics)
             return
         self.completer.record(outcome)
 

@@ -1,14 +1,25 @@
-"""What became of each job: the outcome to write, the counters a worker keeps, and the one
-log line per job."""
+"""What became of each job: the outcome to write, the counters a worker keeps, the one log
+line per job, and the ``job_finished`` signal and metrics that follow it.
+
+Every attempt a worker ran ends in :func:`finished` (its outcome written, or fenced out) or,
+in lease mode, in :func:`announce` alone (cancelled or lost while it ran, nothing written):
+those two are where ``job_finished`` is sent and the worker's metrics are fed, once per
+attempt, whatever the mode.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from django_pgjobs import registry, signals
+from django_pgjobs.exceptions import UnknownTask
 from django_pgjobs.lifecycle import ClaimedJob, Failure, last_line
+
+if TYPE_CHECKING:
+    from django_pgjobs.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -23,7 +34,8 @@ class Outcome:
     can never run, an error the job's ``discard_on`` or ``retry_on`` gives up on); an
     ``outage`` release is counted in the job's ``outage_releases``. ``delay`` (seconds) is a
     snooze's, or a failure's from the job's backoff callable (None: the ``backoff`` formula);
-    ``jitter`` spreads a failure's delay.
+    ``jitter`` spreads a failure's delay. ``error`` is what the job raised (or the
+    ``JobTimeout`` it ran into): what ``job_finished`` and the error's log line carry.
     """
 
     job: ClaimedJob
@@ -36,6 +48,7 @@ class Outcome:
     outage: bool = False
     delay: float | None = None
     jitter: bool = False
+    error: BaseException | None = None
 
 
 @dataclass
@@ -103,27 +116,71 @@ def result_of(outcome: Outcome, status: str | None) -> str:
     return OUTCOMES.get(status or "", "lost")
 
 
-def finished(outcome: Outcome, status: str | None, *, stats: WorkerStats, worker_id: str) -> None:
-    """Count and log a job whose outcome was written (``status`` None: fenced out)."""
+def finished(
+    outcome: Outcome,
+    status: str | None,
+    *,
+    stats: WorkerStats,
+    worker_id: str,
+    metrics: WorkerMetrics | None = None,
+) -> None:
+    """Count, log and announce a job whose outcome was written (``status`` None: fenced out)."""
     result = result_of(outcome, status)
     stats.add(COUNTERS[result])
+    log_outcome(outcome, result, worker_id)
+    announce(outcome, result, metrics)
+
+
+def announce(outcome: Outcome, result: str, metrics: WorkerMetrics | None) -> None:
+    """Feed the worker's metrics and send ``job_finished`` for an attempt that ended as
+    ``result`` (one of ``signals.OUTCOMES``). Rows of ``django.tasks`` tasks get Django's own
+    ``task_finished`` (from ``backends.TaskRunner``) instead."""
+    job = outcome.job
+    if metrics is not None:
+        metrics.finished(job.task, result, outcome.duration)
+    # The sender; imported here, as the worker's modules load before the apps are ready.
+    from django_pgjobs.models import Job
+
+    if signals.job_finished.has_listeners(Job) and is_plain_job(job.task):
+        signals.send(
+            signals.job_finished,
+            Job,
+            job=job,
+            outcome=result,
+            duration=outcome.duration,
+            attempt=job.attempts,
+            error=outcome.error,
+        )
+
+
+def is_plain_job(task: str) -> bool:
+    """Whether ``task`` is a ``@job`` function (or not registered here), not a ``django.tasks``
+    task: the ``job_*`` signals are sent for the former only."""
+    try:
+        return not registry.get(task).stores_result
+    except UnknownTask:
+        return True
+
+
+def log_outcome(outcome: Outcome, result: str, worker_id: str) -> None:
+    """The one line per finished job: id, task, attempt, outcome, duration.
+
+    An attempt that raised is logged with the exception (``exc_info``), so an error reporter
+    fed by logging (Sentry's integration) gets the traceback with the job's id, task and
+    attempt in ``extra``: at ERROR when the job failed for good (or was lost), at WARNING when
+    it will be retried or was cancelled.
+    """
+    job, duration = outcome.job, outcome.duration
     error = outcome.failure.traceback if outcome.failure else None
-    log_outcome(outcome.job, result, outcome.duration, worker_id, error)
-
-
-def log_outcome(
-    job: ClaimedJob, outcome: str, duration: float, worker_id: str, error: str | None = None
-) -> None:
-    """The one line per finished job: id, task, attempt, outcome, duration."""
     level = (
         logging.INFO
         if error is None
-        else (logging.ERROR if outcome in ("failed", "lost") else logging.WARNING)
+        else (logging.ERROR if result in ("failed", "lost") else logging.WARNING)
     )
     if not logger.isEnabledFor(level):
         return  # the common case under load at WARNING: build nothing
     extra = {
-        "action": outcome,
+        "action": result,
         "job_id": job.id,
         "task": job.task,
         "queue": job.queue,
@@ -132,8 +189,16 @@ def log_outcome(
         "duration": duration,
     }
     message = "job %s %s attempt %s/%s %s in %.1f ms"
-    args = (job.id, job.task, job.attempts, job.max_attempts, outcome, duration * 1000)
+    args = (job.id, job.task, job.attempts, job.max_attempts, result, duration * 1000)
     if error is None:
         logger.info(message, *args, extra=extra)
         return
-    logger.log(level, message + ": %s", *args, last_line(error), extra=extra)
+    exc = outcome.error
+    logger.log(
+        level,
+        message + ": %s",
+        *args,
+        last_line(error),
+        exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None,
+        extra=extra,
+    )

@@ -79,6 +79,7 @@ class TransactionMode:
     def __init__(self, shared: Shared, on_retry: Callable[[], None] | None = None) -> None:
         self.store, self.lease, self.worker_id = shared.store, shared.lease, shared.worker_id
         self.stats, self.stopping, self.hand_out = shared.stats, shared.stopping, shared.hand_out
+        self.metrics = shared.metrics
         # Called when a failed job is queued again: its retry sends no NOTIFY.
         self.on_retry = on_retry
 
@@ -126,6 +127,6 @@ class TransactionMode:
             return
         finally:
             ticket.claimed.set()
-        finished(outcome, status, stats=self.stats, worker_id=self.worker_id)
+        finished(outcome, status, stats=self.stats, worker_id=self.worker_id, metrics=self.metrics)
         if status == "queued" and self.on_retry is not None:
             self.on_retry()

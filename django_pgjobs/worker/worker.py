@@ -32,12 +32,15 @@ from django.db import DatabaseError, connections
 import django_pgjobs
 from django_pgjobs import conf, lifecycle, registry, schedules, validation
 from django_pgjobs.connections import connection_params
+from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.notify import Listener
+from django_pgjobs.worker import metrics
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import Backoff, unavailable
 from django_pgjobs.worker.executor import Executor, Shared
 from django_pgjobs.worker.lease import LeaseMode
+from django_pgjobs.worker.metrics import WorkerMetrics
 from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.scheduler import Scheduler
 from django_pgjobs.worker.store import Store
@@ -71,7 +74,9 @@ class Worker:
     task this process has registered. ``run()`` returns the run's ``WorkerStats``;
     ``stop()`` (or SIGTERM/SIGINT once ``install_signal_handlers()`` was called) begins a
     graceful shutdown, a second signal exits the process at once. With ``schedule`` (the
-    default) it also enqueues the ticks of the periodic schedules.
+    default) it also enqueues the ticks of the periodic schedules. With ``metrics_port`` (0:
+    any free port) it serves its Prometheus metrics on ``metrics_addr`` (default 127.0.0.1)
+    while it runs (``worker/metrics.py``; needs the ``prometheus`` extra).
     """
 
     def __init__(
@@ -92,6 +97,8 @@ class Worker:
         schedule: bool = True,
         max_stuck_executors: int | None = None,
         registered_only: bool | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str | None = None,
     ) -> None:
         # Each queue's own slot limit in this process (None: it shares `concurrency`).
         self.limits = validation.queue_limits(queues or [conf.default_queue()])
@@ -186,6 +193,16 @@ class Worker:
         # Set once too many executors are stuck in jobs past their timeout: runjobs then
         # exits with EXIT_STUCK so that its supervisor starts a clean process.
         self.stuck = False
+        # Only a worker asked to serve metrics keeps any (MetricsUnavailable without the
+        # prometheus extra).
+        if metrics_addr is not None and metrics_port is None:
+            raise InvalidJobOptions(
+                f"metrics_addr {validation.show(metrics_addr)} is the address of the metrics "
+                "server, which only metrics_port starts (runjobs --metrics-port PORT)."
+            )
+        self.metrics_port = None if metrics_port is None else metrics.port(metrics_port)
+        self.metrics_addr = metrics.address("127.0.0.1" if metrics_addr is None else metrics_addr)
+        self.metrics = WorkerMetrics() if self.metrics_port is not None else None
 
     # -- control -------------------------------------------------------------------------
 
@@ -285,6 +302,8 @@ class Worker:
     # -- the run -------------------------------------------------------------------------
 
     def run(self) -> WorkerStats:
+        if self.metrics is not None and self.metrics_port is not None:
+            self._serve_metrics(self.metrics, self.metrics_port)
         logger.info(
             "worker %s starting: queues %s, %s mode, concurrency %s, batch %s, lease %.0f s, "
             "poll %.0f s, reap %s",
@@ -307,6 +326,7 @@ class Worker:
             on_retry=self._on_retry,
             on_timeout=self._on_timeout,
             on_written=self._on_written,
+            metrics=self.metrics,
         )
         self._completer = completer
         self._mode = self._make_mode(completer)
@@ -345,6 +365,19 @@ class Worker:
             extra={"action": "stop", "worker_id": self.worker_id},
         )
         return self.stats
+
+    def _serve_metrics(self, worker_metrics: WorkerMetrics, port: int) -> None:
+        """Start serving the metrics (before anything else: a port that cannot be bound stops
+        the start) and log where, the bound port included (``--metrics-port 0``)."""
+        worker_metrics.watch(lambda: self._inflight, lambda: sum(self._slots.values()))
+        bound = worker_metrics.serve(self.metrics_addr, port)
+        logger.info(
+            "worker %s serves its metrics on http://%s:%s/metrics",
+            self.worker_id,
+            self.metrics_addr,
+            bound,
+            extra={"action": "start", "worker_id": self.worker_id, "metrics_port": bound},
+        )
 
     def _produce(
         self, completer: Completer, listener: Listener | None, scheduler: Scheduler | None
@@ -550,7 +583,13 @@ class Worker:
 
     def _make_mode(self, completer: Completer) -> LeaseMode | TransactionMode:
         shared = Shared(
-            self.store, self.lease, self.worker_id, self.stats, self.stopping, self._hand_out
+            self.store,
+            self.lease,
+            self.worker_id,
+            self.stats,
+            self.stopping,
+            self._hand_out,
+            self.metrics,
         )
         if self.mode == "lease":
             self._lease_mode = LeaseMode(shared, completer)
@@ -578,6 +617,8 @@ class Worker:
                 continue
             found = self._mode.dispatch(queue_name, asked, queue_name in self._guarded)
             self.stats.add("claimed", found)
+            if self.metrics is not None:
+                self.metrics.claimed(found)
             got += found
             more = more or found == asked
             # A suspect runs alone: no other queue's jobs beside it either.
@@ -634,4 +675,6 @@ class Worker:
                 extra={"action": "stop", "worker_id": self.worker_id},
             )
         self.store.close()
+        if self.metrics is not None:
+            self.metrics.close()
         connections.close_all()

@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from django_pgjobs import conf
-from django_pgjobs.exceptions import InvalidJobOptions
+from django_pgjobs.exceptions import InvalidJobOptions, MetricsUnavailable
 from django_pgjobs.worker import Worker
 from django_pgjobs.worker.worker import EXIT_STUCK
 
@@ -78,6 +78,20 @@ class Command(BaseCommand):
             help="Claim jobs of any task, failing those this process has not registered "
             "(default: only registered tasks, PGJOBS['CLAIM_REGISTERED_ONLY']).",
         )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            metavar="PORT",
+            help="Serve this worker's Prometheus metrics on http://ADDR:PORT/metrics (0: any "
+            "free port, logged at start). Needs the prometheus extra: "
+            "pip install 'django-pgjobs[prometheus]'.",
+        )
+        parser.add_argument(
+            "--metrics-addr",
+            metavar="ADDR",
+            help="Address the metrics are served on (default 127.0.0.1: this machine only; "
+            "0.0.0.0 for every interface).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -97,11 +111,16 @@ class Command(BaseCommand):
                 schedule=options["schedule"],
                 max_stuck_executors=options["max_stuck_executors"],
                 registered_only=options["registered_only"],
+                metrics_port=options["metrics_port"],
+                metrics_addr=options["metrics_addr"],
             )
-        except InvalidJobOptions as exc:
+        except (InvalidJobOptions, MetricsUnavailable) as exc:
             raise CommandError(str(exc)) from exc
         worker.install_signal_handlers()
-        stats = worker.run()
+        try:
+            stats = worker.run()
+        except MetricsUnavailable as exc:
+            raise CommandError(str(exc)) from exc
         self.stdout.write(stats.summary())
         if worker.stuck:
             # Too many executor threads stuck past their timeout (logged at ERROR): a
