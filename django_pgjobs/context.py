@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -36,24 +35,26 @@ class JobContext:
     scheduled_at: datetime | None = None
     # How long this attempt may run (None: no limit).
     timeout: float | None = None
-    _lost: threading.Event = field(default_factory=threading.Event, repr=False)
-    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
-    _timed_out: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Set by the completer's thread, read by the job's: plain flags (an attribute store is
+    # atomic, and nothing waits on them), which a job checks often and every job creates.
+    _lost: bool = field(default=False, repr=False)
+    _cancelled: bool = field(default=False, repr=False)
+    _timed_out: bool = field(default=False, repr=False)
 
     @property
     def lost(self) -> bool:
         """The lease was lost (the reaper took the job back): it is no longer ours."""
-        return self._lost.is_set()
+        return self._lost
 
     @property
     def cancelled(self) -> bool:
         """``Job.objects.cancel()`` cancelled the job while it ran."""
-        return self._cancelled.is_set()
+        return self._cancelled
 
     @property
     def timed_out(self) -> bool:
         """The attempt ran past its timeout and was failed with ``JobTimeout``."""
-        return self._timed_out.is_set()
+        return self._timed_out
 
     @property
     def should_stop(self) -> bool:
@@ -66,13 +67,13 @@ class JobContext:
         raise Snooze(delay)
 
     def mark_lost(self) -> None:
-        self._lost.set()
+        self._lost = True
 
     def mark_cancelled(self) -> None:
-        self._cancelled.set()
+        self._cancelled = True
 
     def mark_timed_out(self) -> None:
-        self._timed_out.set()
+        self._timed_out = True
 
 
 def current_job() -> JobContext | None:

@@ -362,7 +362,7 @@ class JobManager(models.Manager["Job"]):
         management (``set_autocommit(False)``) Django has no ``on_commit``, so none is sent."""
         from django_pgjobs.models import Job as sender
 
-        if not plan.announce or not signals.job_enqueued.has_listeners(sender):
+        if not plan.announce or not signals.listening(signals.job_enqueued, sender):
             return
         connection = connections[self.db_alias]
         if not connection.in_atomic_block and not connection.get_autocommit():

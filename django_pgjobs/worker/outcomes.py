@@ -141,7 +141,7 @@ def announce(outcome: Outcome, result: str, metrics: WorkerMetrics | None) -> No
     # The sender; imported here, as the worker's modules load before the apps are ready.
     from django_pgjobs.models import Job
 
-    if signals.job_finished.has_listeners(Job) and is_plain_job(job.task):
+    if signals.listening(signals.job_finished, Job) and is_plain_job(job.task):
         signals.send(
             signals.job_finished,
             Job,
