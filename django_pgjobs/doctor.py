@@ -484,9 +484,12 @@ def check_queue_lag(report: Report, limits: Thresholds) -> list[str]:
 
 def check_unrunnable(report: Report, limits: Thresholds) -> list[str]:
     """Ready jobs no live worker can run wait until one that can starts: a problem at once,
-    as the lag check would call it only later (and not per task)."""
+    as the lag check would call it only later (and not per task). Not in a paused queue,
+    whose jobs wait on purpose."""
     problems = []
     for row in report.unrunnable:
+        if row["queue"] in report.paused:
+            continue  # nothing runs there until it is resumed, by design
         what = f"queue {row['queue']}: {row['ready']} ready job(s) of {row['task']}"
         if not row["served"]:
             problems.append(

@@ -851,6 +851,140 @@ def queues_run(demo_url: str) -> list[str]:
     return problems
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def scraped(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a Prometheus text exposition (0 when it is absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def monitoring_run(demo_url: str) -> list[str]:
+    import json
+    import secrets
+    import urllib.request
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.db import transaction
+    from django.test import Client
+
+    from django_pgjobs.explain import explain
+    from django_pgjobs.models import Job
+    from django_pgjobs.testing import advance, assert_enqueued, run_jobs
+
+    reset_jobs(demo_url)
+    problems: list[str] = []
+
+    # The testing helpers, as a TestCase uses them: inside a transaction that is rolled back.
+    with transaction.atomic():
+        Job.objects.enqueue("testproject.testjobs.noop", {"n": 1})
+        Job.objects.enqueue("testproject.testjobs.boom", {"message": "card declined"})
+        assert_enqueued("testproject.testjobs.noop", n=1)
+        first = run_jobs()
+        advance(timedelta(minutes=5))  # the test clock: the retry is due, no sleeping
+        second = run_jobs()
+        transaction.set_rollback(True)
+    print("  run_jobs() inside a transaction, then advance(5 min) and run_jobs() again:")
+    for outcome in (*first, *second):
+        print(
+            f"    {outcome.task} attempt {outcome.attempts}: {outcome.outcome}",
+            outcome.error or "",
+        )
+    if [o.outcome for o in first] != ["done", "retry"] or [o.outcome for o in second] != ["failed"]:
+        problems.append("run_jobs() outcomes were not done, retry, then failed")
+
+    # Why isn't this job running? One job in a paused queue, one deferred.
+    Job.objects.pause(STEERED_QUEUE)
+    waiting = Job.objects.enqueue("testproject.testjobs.noop", {}, queue=STEERED_QUEUE)
+    later = Job.objects.enqueue("testproject.testjobs.noop", {}, delay=timedelta(hours=1))
+    for label, held in (("paused queue", waiting), ("deferred", later)):
+        reasons = explain(held)
+        print(f"  explain(job {held.id}, {label}):")
+        for reason in reasons:
+            print(f"    [{reason.code}] {reason.message}")
+    if "paused" not in {r.code for r in explain(waiting)}:
+        problems.append("explain() did not say the queue is paused")
+
+    # A worker with its own metrics, and the queue's metrics and health views.
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": demo_url, "PGJOBS_LOG_LEVEL": "WARNING"}
+    ids = Job.objects.enqueue_many("testproject.testjobs.noop", [{"n": n} for n in range(50)])
+    worker = subprocess.Popen(
+        worker_command("--metrics-port", str(port), "--poll-interval", "1"),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while Job.objects.filter(id__in=ids, status="done").count() < len(ids):
+            if time.monotonic() > deadline:
+                raise DemoFailure("the metrics worker did not run its 50 jobs within 60 s")
+            time.sleep(0.1)
+        text = ""
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                time.sleep(0.1)
+                continue
+            if scraped(text, "pgjobs_worker_jobs_finished_total", outcome="done") >= len(ids):
+                break
+            time.sleep(0.1)
+        done = scraped(
+            text,
+            "pgjobs_worker_jobs_finished_total",
+            task="testproject.testjobs.noop",
+            outcome="done",
+        )
+        print(
+            f"  runjobs --metrics-port {port}: "
+            f"pgjobs_worker_jobs_finished_total{{outcome=done}} {done:.0f}"
+        )
+        if done != len(ids):
+            problems.append(f"the worker's metrics counted {done:.0f} done jobs, not {len(ids)}")
+
+        token = secrets.token_urlsafe(24)
+        settings.PGJOBS = {**settings.PGJOBS, "MONITORING_TOKEN": token}
+        client = Client()
+        refused = client.get("/pgjobs/health")
+        metrics = client.get("/pgjobs/metrics", HTTP_AUTHORIZATION=f"Bearer {token}")
+        ready = scraped(metrics.content.decode(), "pgjobs_queue_ready_jobs", queue=STEERED_QUEUE)
+        print(f"  GET /pgjobs/health without the token: HTTP {refused.status_code}")
+        print(
+            f"  GET /pgjobs/metrics: pgjobs_queue_ready_jobs{{queue={STEERED_QUEUE}}} {ready:.0f}"
+        )
+        health = client.get("/pgjobs/health", HTTP_AUTHORIZATION=f"Bearer {token}")
+        body = json.loads(health.content)
+        print(
+            f"  GET /pgjobs/health with it: HTTP {health.status_code} (a paused queue is not "
+            f"an outage), paused {body['paused']}"
+        )
+        for problem in body["problems"]:
+            print(f"    problem: {problem}")
+        if refused.status_code not in (401, 403) or ready != 1 or health.status_code != 200:
+            problems.append("the monitoring views refused nothing or miscounted the paused job")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+        Job.objects.resume(STEERED_QUEUE)
+    return problems
+
+
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -934,6 +1068,10 @@ def main() -> int:
     queue_problems = queues_run(demo_url)
     problems.extend(queue_problems)
 
+    section("6. Testing helpers, monitoring, and why a job is not running")
+    monitoring_problems = monitoring_run(demo_url)
+    problems.extend(monitoring_problems)
+
     total = time.perf_counter() - total_started
     section("Summary")
     print(
@@ -959,6 +1097,7 @@ def main() -> int:
         f"the killer job took {control.deaths} workers down before it was failed"
     )
     print(f"  queues and limits: {'all checks held' if not queue_problems else 'see above'}")
+    print(f"  monitoring       : {'all checks held' if not monitoring_problems else 'see above'}")
     print(f"  demo database    : {masked(demo_url)} (kept, unless on a throwaway server)")
     print(f"  total time       : {total:.1f} s")
     if problems:
@@ -966,7 +1105,8 @@ def main() -> int:
     print()
     print(
         "OK: no job was claimed twice, none was lost, every order got its confirmation, "
-        "each tick of the schedule became one job, and every job-control and queue check held."
+        "each tick of the schedule became one job, and every job-control, queue and monitoring "
+        "check held."
     )
     return 0
 

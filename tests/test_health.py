@@ -96,15 +96,18 @@ def test_a_paused_queue_is_not_late_however_long_its_jobs_wait(
     register_worker("web-1:1", {"default": None})
     make_job(run_at=timedelta(minutes=-10))
     settings.PGJOBS = {**settings.PGJOBS, "HEALTH_THRESHOLDS": {"lag": 60}}
+    make_job(queue="reports")  # and no live worker serves reports
     Job.objects.pause("default")
+    Job.objects.pause("reports")
     status, body = health(live_server.url, token)
     assert status == 200, body
-    assert body["paused"] == ["default"]
+    assert body["paused"] == ["default", "reports"]
 
     Job.objects.resume("default")
+    Job.objects.resume("reports")
     status, body = health(live_server.url, token)
     assert status == 503
-    assert checks_of(body) == {"queue_lag"}
+    assert checks_of(body) == {"queue_lag", "unrunnable"}
 
 
 def test_ready_jobs_no_live_worker_serves_are_a_503_until_one_does(
