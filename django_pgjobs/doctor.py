@@ -286,8 +286,16 @@ class Report:
         )
 
 
-def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> Report:
-    """Read the queue's health and name each problem with what to do about it."""
+# What stands for another session's SQL where the report must not quote it.
+HIDDEN_QUERY = "(not shown here: see jobsdoctor)"
+
+
+def diagnose(
+    alias: str | None = None, thresholds: Thresholds | None = None, *, queries: bool = True
+) -> Report:
+    """Read the queue's health and name each problem with what to do about it. Without
+    ``queries``, the text of other sessions' SQL (which may hold any literal: an email, a
+    token) is left out of the report, for readers who are not the database's operators."""
     limits = thresholds or Thresholds()
     connection = connections[alias or conf.database()]
     live = overview(alias, minutes=60, failures=10)
@@ -310,6 +318,12 @@ def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> 
     quarantined = sql.records(
         connection, sql.QUARANTINED, {"window": timedelta(hours=1), "limit": 20}
     )
+    vacuum_locks = sql.records(connection, sql.VACUUM_LOCKS, {})
+    if not queries:
+        for session in (*idle, *vacuum_locks, *([oldest] if oldest else [])):
+            session["query"] = HIDDEN_QUERY
+        for holder in horizon:
+            holder.query = HIDDEN_QUERY if holder.query else None
     report = Report(
         queues=live.queues,
         expired_leases=expired,
@@ -320,7 +334,7 @@ def diagnose(alias: str | None = None, thresholds: Thresholds | None = None) -> 
         idle_in_transaction=idle,
         oldest_transaction=oldest,
         horizon=horizon,
-        vacuum_locks=sql.records(connection, sql.VACUUM_LOCKS, {}),
+        vacuum_locks=vacuum_locks,
         invalid_indexes=[row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})],
         schedules=schedule_health(alias),
         quarantined=[{k: v for k, v in row.items() if k != "total"} for row in quarantined],
@@ -684,13 +698,13 @@ SERVING_CHECKS: tuple[Check, ...] = (check_queue_lag, check_unrunnable, check_ex
 
 
 def examine(
-    alias: str | None = None, thresholds: Thresholds | None = None
+    alias: str | None = None, thresholds: Thresholds | None = None, *, queries: bool = True
 ) -> tuple[Report | None, list[Finding]]:
     """``diagnose()`` for the health endpoint and ``Watch``: the report and its findings, or,
     when the database cannot be read, no report and one ``database`` outage (no worker can
     claim from it either); the connection is closed so that the next call reconnects."""
     try:
-        report = diagnose(alias, thresholds)
+        report = diagnose(alias, thresholds, queries=queries)
     except DatabaseError as exc:
         connections[alias or conf.database()].close()
         return None, [Finding("database", f"the jobs table could not be read: {exc}", True)]

@@ -914,18 +914,22 @@ ORDER BY started_at, id
 
 # Ready jobs that no live worker can run, per queue and task: no live worker serves the queue
 # (`served` false), or none that does has the task registered. A worker that claims any task
-# (tasks NULL) can run them all.
+# (tasks NULL) can run them all. Grouped first, so the workers are checked once per queue and
+# task, not once per ready job (a backlog of 200,000 with 50 live workers: 1.2 s the other way).
 UNRUNNABLE: LiteralString = """
-SELECT j.queue, j.task, count(*) AS ready,
+WITH ready AS (
+  SELECT queue, task, count(*) AS ready FROM pgjobs_job
+  WHERE status = 'queued' AND run_at <= now()
+  GROUP BY queue, task
+)
+SELECT r.queue, r.task, r.ready,
        EXISTS (SELECT FROM pgjobs_worker w
-               WHERE w.expires_at >= now() AND w.queues ? j.queue) AS served
-FROM pgjobs_job j
-WHERE j.status = 'queued' AND j.run_at <= now()
-  AND NOT EXISTS (SELECT FROM pgjobs_worker w
-                  WHERE w.expires_at >= now() AND w.queues ? j.queue
-                    AND (w.tasks IS NULL OR j.task = ANY(w.tasks)))
-GROUP BY j.queue, j.task
-ORDER BY j.queue, j.task
+               WHERE w.expires_at >= now() AND w.queues ? r.queue) AS served
+FROM ready r
+WHERE NOT EXISTS (SELECT FROM pgjobs_worker w
+                  WHERE w.expires_at >= now() AND w.queues ? r.queue
+                    AND (w.tasks IS NULL OR r.task = ANY(w.tasks)))
+ORDER BY r.queue, r.task
 """
 
 # -- why isn't this job running? (explain.py). One statement reads everything the explanation

@@ -23,7 +23,14 @@ from django.db import connection
 from django_pgjobs import checks, doctor, signals, validation
 from django_pgjobs.doctor import Finding
 from django_pgjobs.models import Job
-from tests.helpers import http_get, make_job, register_worker, session_cookie, wait_until
+from tests.helpers import (
+    http_get,
+    make_job,
+    raw_connect,
+    register_worker,
+    session_cookie,
+    wait_until,
+)
 from tests.workers import Workers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -123,6 +130,28 @@ def test_ready_jobs_no_live_worker_serves_are_a_503_until_one_does(
     register_worker("web-2:1", {"reports": None})
     status, body = health(live_server.url, token)
     assert status == 200, body
+
+
+def test_health_never_quotes_another_sessions_sql(
+    live_server: Any, token: str, settings: Any
+) -> None:
+    # A session idle in transaction is a warning, and jobsdoctor names its last query; the
+    # health JSON, readable with a token handed to scrapers and probes, must not.
+    register_worker("web-1:1", {"default": None})
+    settings.PGJOBS = {**settings.PGJOBS, "HEALTH_THRESHOLDS": {"idle": 0}}
+    with raw_connect() as idle:
+        idle.execute("BEGIN")
+        idle.execute("SELECT 'secret-customer@example.com'")
+        limits = doctor.Thresholds.from_settings()
+        wait_until(
+            lambda: any("idle in transaction" in p for p in doctor.diagnose(None, limits).problems),
+            message="the session to be seen idle in transaction",
+        )
+        status, body = health(live_server.url, token)
+        assert status == 200, body
+        assert any("idle in transaction" in warning for warning in body["warnings"]), body
+        assert "secret-customer" not in json.dumps(body)
+        assert any("secret-customer" in p for p in doctor.diagnose(None, limits).problems)
 
 
 def test_health_is_refused_without_credentials(live_server: Any, settings: Any) -> None:
