@@ -268,10 +268,10 @@ WITH q AS (
     + """
      AND NOT EXISTS (SELECT FROM pgjobs_job r
                      WHERE r.lock_key = j.lock_key AND r.status = 'running')
-   ORDER BY lock_key, priority DESC, run_at)
+   ORDER BY lock_key, priority DESC, run_at, id)
 ), next AS (
   SELECT id FROM pgjobs_job
-  WHERE id IN (SELECT id FROM ready ORDER BY priority DESC, run_at
+  WHERE id IN (SELECT id FROM ready ORDER BY priority DESC, run_at, id
                LIMIT coalesce((SELECT n FROM room), 0))
     AND status = 'queued' AND run_at <= now()
   FOR UPDATE SKIP LOCKED

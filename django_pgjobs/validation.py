@@ -50,6 +50,9 @@ MAX_CHANNEL_BYTES = 63
 # bytes with 8 kB pages) or the INSERT fails; 500 characters are at most 2,000 bytes of UTF-8,
 # so a key that passes here always fits in pgjobs_job_unique_idx.
 MAX_UNIQUE_KEY = 500
+# A rate limit keeps one start time per start in its window, rewritten by every guarded claim:
+# beyond this many the array costs more than the limit is worth (use a concurrency limit).
+MAX_RATE_COUNT = 10_000
 
 MODES = ("lease", "transaction")
 # How long a unique job keeps a second enqueue of its key out: while queued, or while queued
@@ -222,7 +225,7 @@ def rate(value: object, name: str = "rate") -> tuple[int, timedelta] | None:
             "(50, timedelta(seconds=1)) for at most 50 starts in any second, or None."
         )
     return (
-        whole_number(f"{name} count", value[0]),
+        whole_number(f"{name} count", value[0], maximum=MAX_RATE_COUNT),
         positive_duration(f"{name} period", value[1]),
     )
 
@@ -237,6 +240,11 @@ def unique_key(value: object, name: str = "unique_key") -> str:
         shown = f"of {len(value)} characters" if isinstance(value, str) and value else show(value)
         raise InvalidJobOptions(
             f"Invalid {name} {shown}: use a string of 1 to {MAX_UNIQUE_KEY} characters, "
+            "such as 'invoice:42' (or None for no key)."
+        )
+    if not value.strip():
+        raise InvalidJobOptions(
+            f"Invalid {name} {value!r}: it is only whitespace; use a key that names something, "
             "such as 'invoice:42' (or None for no key)."
         )
     problem = _text_problem(value)

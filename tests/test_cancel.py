@@ -371,5 +371,7 @@ def test_a_cancel_racing_a_completion_leaves_exactly_one_of_them_1000_times() ->
         assert final[job.id] == ("done" if done else "cancelled"), (job.id, done, count)
         winners[final[job.id]] += 1
     assert sum(winners.values()) == RACES, winners
+    # Both sides won some: the two really raced (one side always first would race nothing).
+    assert winners["done"] and winners["cancelled"], winners
     # Which side won how often (pytest -s shows it; the closing note of issue 13 quotes it).
     print(f"\n{RACES} cancel/complete races: {winners}")

@@ -169,6 +169,9 @@ def test_pause_and_limits_refuse_bad_input_and_write_nothing() -> None:
         Job.objects.set_limits("q", rate=(50, 0))
     with pytest.raises(InvalidJobOptions, match="rate count"):
         Job.objects.set_limits("q", rate=(0, 1))
+    # Each start in the window is kept, and every guarded claim rewrites them: capped.
+    with pytest.raises(InvalidJobOptions, match=r"rate count .* at most 10000"):
+        Job.objects.set_limits("q", rate=(10**9, 1))
     assert not QueueState.objects.exists()
     Job.objects.set_limits("q", concurrency=2, rate=(5, timedelta(seconds=2)))
     state = QueueState.objects.get(name="q")
@@ -374,9 +377,29 @@ def test_a_running_key_holds_back_only_its_own_jobs() -> None:
     assert len(after) == 1 and after[0].id in busy and after[0].id != first[0].id
 
 
+def test_jobs_of_one_key_enqueued_together_run_in_id_order() -> None:
+    # One enqueue_many gives them one run_at and one priority: the id breaks the tie, in the
+    # claim as in explain(), which names the job the claim takes next.
+    ids = list(
+        Job.objects.enqueue_many(
+            "testproject.testjobs.noop", [{"n": n} for n in range(5)], lock_key=lambda p: "k"
+        )
+    )
+    taken = []
+    for _ in ids:
+        (job,) = Job.objects.claim("default", limit=5, guarded=True)
+        taken.append(job.id)
+        assert Job.objects.complete(job)
+    assert taken == sorted(ids)
+
+
 def test_lock_keys_are_validated() -> None:
     with pytest.raises(InvalidJobOptions, match="lock_key"):
         Job.objects.enqueue("testproject.testjobs.noop", lock_key="")
+    with pytest.raises(InvalidJobOptions, match=r"lock_key .* only whitespace"):
+        Job.objects.enqueue("testproject.testjobs.noop", lock_key="  ")
+    with pytest.raises(InvalidJobOptions, match=r"unique_key .* only whitespace"):
+        Job.objects.enqueue("testproject.testjobs.noop", unique_key="\t")
     with pytest.raises(InvalidJobOptions, match="lock_key"):
         Job.objects.enqueue_many("testproject.testjobs.noop", [{}], lock_key="A")  # type: ignore[arg-type]
     assert not Job.objects.exists()

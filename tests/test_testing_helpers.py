@@ -4,6 +4,7 @@ was enqueued (with the messages they fail with)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from datetime import timedelta
 
 import pytest
@@ -341,3 +342,13 @@ def test_the_fixture_moves_the_clock(pgjobs: PgJobs) -> None:  # noqa: F811
     pgjobs.advance(timedelta(hours=1))
     assert [(r.outcome, r.attempts) for r in pgjobs.run_jobs()] == [("done", 3)]
     assert pgjobs.now() > scalar("SELECT now()") + timedelta(hours=2)
+
+
+def test_the_pytest_plugin_is_installed_as_an_entry_point(request: pytest.FixtureRequest) -> None:
+    # This module imports the fixture itself, so that it runs without the package installed;
+    # installed (pip install, as make test does), pytest loads the plugin on its own.
+    plugins = importlib.metadata.entry_points(group="pytest11")
+    assert [p.value for p in plugins if p.value == "django_pgjobs.pytest_plugin"] == [
+        "django_pgjobs.pytest_plugin"
+    ]
+    assert request.config.pluginmanager.has_plugin("django_pgjobs.pytest_plugin")
