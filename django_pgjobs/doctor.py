@@ -714,12 +714,13 @@ def examine(
 class Watch:
     """``jobsdoctor --watch``: diagnose on every ``tick()`` and raise an alarm once per breach.
 
-    A breach begins with a tick that finds an outage (a ``Finding`` with ``outage``) and ends
-    with the first tick that finds none; its alarm (the ``queue_unhealthy`` signal, an ERROR
-    log line and, with ``mail``, ``mail_admins``) goes out at its first tick only, so a queue
-    that stays down is not reported every interval. Once it is healthy again, the next outage
-    is a new breach. Warnings (vacuum, failures) never alarm: they do not stop jobs from being
-    served.
+    A breach of one check (lag, expired leases, ready jobs no live worker can run, the
+    database) begins with a tick that finds that outage (a ``Finding`` with ``outage``) and ends
+    with the first tick that finds none of it; its alarm (the ``queue_unhealthy`` signal, an
+    ERROR log line and, with ``mail``, ``mail_admins``) goes out at its first tick only, so a
+    queue that stays down is not reported every interval, while another kind of outage that
+    begins meanwhile is. Once a check is clear again, its next outage is a new breach. Warnings
+    (vacuum, failures) never alarm: they do not stop jobs from being served.
     """
 
     def __init__(
@@ -732,7 +733,8 @@ class Watch:
         self.alias = alias
         self.thresholds = thresholds or Thresholds.from_settings()
         self.mail = mail
-        self.breached = False
+        # The checks whose breach is under way (already alarmed).
+        self.breached: set[str] = set()
 
     def tick(self) -> list[Finding]:
         """Diagnose once and alarm if this tick begins a breach; return its findings.
@@ -741,11 +743,12 @@ class Watch:
         """
         _report, findings = examine(self.alias, self.thresholds)
         outages = [finding for finding in findings if finding.outage]
-        if outages and not self.breached:
-            self.alarm(outages)
+        new = [finding for finding in outages if finding.check not in self.breached]
+        if new:
+            self.alarm(new)
         elif not outages and self.breached:
             logger.info("queue healthy again", extra={"action": "watch"})
-        self.breached = bool(outages)
+        self.breached = {finding.check for finding in outages}
         return findings
 
     def run(

@@ -671,13 +671,20 @@ CREATE OR REPLACE FUNCTION pgjobs_test_clock.transaction_timestamp() RETURNS tim
 
 # Put the clock's schema first for the rest of the transaction; returns the path it replaced,
 # which TEST_CLOCK_OFF puts back.
+# Also returns lock_timeout, which the guarded claim's GUARD sets for the rest of the
+# transaction: TEST_CLOCK_OFF puts both back, so run_jobs() leaves the test's settings as
+# they were.
 TEST_CLOCK_ON: LiteralString = """
 SELECT current_setting('search_path'),
        set_config('search_path',
-                  'pgjobs_test_clock, pg_catalog, ' || current_setting('search_path'), true)
+                  'pgjobs_test_clock, pg_catalog, ' || current_setting('search_path'), true),
+       current_setting('lock_timeout')
 """
 
-TEST_CLOCK_OFF: LiteralString = "SELECT set_config('search_path', %(search_path)s, true)"
+TEST_CLOCK_OFF: LiteralString = """
+SELECT set_config('search_path', %(search_path)s, true),
+       set_config('lock_timeout', %(lock_timeout)s, true)
+"""
 
 TEST_CLOCK_DROP: LiteralString = "DROP SCHEMA pgjobs_test_clock CASCADE"
 

@@ -188,11 +188,12 @@ def advance(by: float | timedelta) -> datetime:
 
 @contextmanager
 def _clock(connection: BaseDatabaseWrapper) -> Iterator[None]:
-    """The test clock for the statements run inside: its functions first on the path."""
+    """The test clock for the statements run inside: its functions first on the path (and
+    the transaction's ``lock_timeout``, which a guarded claim sets, restored afterwards)."""
     sql.run(connection, sql.TEST_CLOCK_CREATE, {})
-    previous = sql.run(connection, sql.TEST_CLOCK_ON, {})[0][0]
+    path, _, lock_timeout = sql.run(connection, sql.TEST_CLOCK_ON, {})[0]
     yield
-    sql.run(connection, sql.TEST_CLOCK_OFF, {"search_path": previous})
+    sql.run(connection, sql.TEST_CLOCK_OFF, {"search_path": path, "lock_timeout": lock_timeout})
     sql.run(connection, sql.TEST_CLOCK_DROP, {})
 
 

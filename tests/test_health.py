@@ -289,6 +289,21 @@ def test_a_breach_alarms_once_until_the_queue_is_healthy_again(
     assert len(errors()) == 2
 
 
+def test_another_kind_of_outage_during_a_breach_alarms_too(alarms: Alarms) -> None:
+    register_worker("web-1:1", {"default": None})
+    watch = doctor.Watch()
+    make_job(status="running", attempts=1, locked_until=timedelta(minutes=-1))
+    watch.tick()
+    # While the expired lease stays, a queue loses its workers: that is news.
+    make_job(queue="reports")
+    watch.tick()
+    watch.tick()
+    assert [[f.check for f in sent] for sent in alarms.sent] == [
+        ["expired_leases"],
+        ["unrunnable"],
+    ]
+
+
 def test_warnings_alone_never_alarm(alarms: Alarms) -> None:
     watch = doctor.Watch()
     findings = [*watch.tick(), *watch.tick()]

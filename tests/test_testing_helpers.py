@@ -223,6 +223,8 @@ class RunJobsTests(TestCase):
         assert [(r.id, r.outcome) for r in results] == [(ids[0], "done"), (ids[1], "done")]
         # The guarded claim stamped each start in the queue's rate window, on the test clock.
         assert scalar("SELECT starts FROM pgjobs_queue WHERE name = 'emails'") == [start, start]
+        # And left the test's transaction as it found it: its GUARD's lock_timeout undone.
+        assert scalar("SELECT current_setting('lock_timeout')") == "0"
 
     def test_a_rolled_back_enqueue_is_not_run(self) -> None:
         with pytest.raises(RuntimeError), transaction.atomic():
