@@ -194,14 +194,10 @@ _CLAIMABLE: LiteralString = """
 # and nothing from a queue that is paused or has a limit: the uncorrelated NOT EXISTS is an
 # InitPlan (one primary-key probe of pgjobs_queue per statement, a One-Time Filter), and
 # those jobs are CLAIM_GUARDED's.
-# With `suspects`, a suspect still never shares a claim: when the first job in the claim's
-# order is one, the claim takes it alone; otherwise it takes the others and leaves any suspect
-# among them queued (their row locks end with the statement). So an idle worker claims a whole
-# batch in one statement, suspects included, as a busy one does without them.
 CLAIM: LiteralString = (
     """
 WITH next AS (
-  SELECT id, crashes, priority, run_at FROM pgjobs_job
+  SELECT id FROM pgjobs_job
   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL"""
     + _CLAIMABLE
     + """
@@ -211,16 +207,11 @@ WITH next AS (
   ORDER BY priority DESC, run_at
   LIMIT %(limit)s
   FOR UPDATE SKIP LOCKED
-), first AS (
-  SELECT id, crashes FROM next ORDER BY priority DESC, run_at LIMIT 1
 )
 UPDATE pgjobs_job j"""
     + _CLAIM_SET
     + "now()"
     + _CLAIM_SET_REST
-    + """
-  AND CASE WHEN (SELECT crashes FROM first) > 0 THEN next.id = (SELECT id FROM first)
-           ELSE next.crashes = 0 END"""
     + _COMMIT
     + _CLAIM_RETURNING
 )

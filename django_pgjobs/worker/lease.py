@@ -6,9 +6,8 @@ completer keeps its lease alive, then passes the outcome to the completer.
 
 A job claimed with ``crashes`` > 0 (its last attempt ended with its worker dead) is a
 suspect: it may be what killed that worker. It runs alone: only an idle worker (nothing of
-its own claimed and not yet written) claims suspects at all, a suspect only alone (the claim
-takes it alone when it comes first, and leaves it queued otherwise), and once it has one it
-claims nothing more until the suspect's outcome is written. So if it kills this worker
+its own claimed and not yet written) claims suspects at all, one job at a time, and once it has
+one it claims nothing more until the suspect's outcome is written. So if it kills this worker
 too, the crash is counted against it alone, and the jobs that merely ran beside it the first
 time clear their own count with their next attempt. A suspect never shares a claim, so nothing
 is given back for it (a release would lose the unique key the claim gave up). The price: under
@@ -46,18 +45,13 @@ class LeaseMode:
         Jobs of a claim that returns after stop was requested are given back instead, not
         started and their attempt not counted. The decision is taken here, as the claim
         returns, not when an executor picks a job up: a job handed out before the stop runs
-        however late its executor thread gets to it. An idle worker's claim may take a
-        suspect: alone, when it comes first (the plain claim does that in its one statement;
-        the guarded claim takes one job first, then the rest without suspects). A busy
-        worker's claim takes no suspect.
+        however late its executor thread gets to it. An idle worker claims one job first,
+        suspects included: a suspect then runs alone; any other job is handed out at once and
+        the rest of the batch is claimed without suspects, as a busy worker claims.
         """
         if self.completer.held():
             return self._claim(queue_name, wanted, suspects=False, guarded=guarded)
         self.skipped.discard(queue_name)
-        if not guarded:
-            # One statement: the plain claim takes a suspect that comes first alone, and
-            # otherwise the rest without suspects (sql.CLAIM).
-            return self._claim(queue_name, wanted, suspects=True, guarded=False)
         first = self._claim(queue_name, 1, suspects=True, guarded=guarded)
         if not first or self.solo is not None or wanted == 1 or self.stopping.is_set():
             return first
@@ -67,8 +61,7 @@ class LeaseMode:
         jobs = self.store.claim(
             queue_name, wanted, self.lease, self.worker_id, suspects=suspects, guarded=guarded
         )
-        if not suspects or (jobs and jobs[0].crashes == 0 and wanted > 1):
-            # It may have left suspects queued: once idle, the worker claims again for them.
+        if not suspects:
             self.skipped.add(queue_name)
         self.completer.hold(jobs)
         if self.stopping.is_set():
