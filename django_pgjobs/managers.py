@@ -370,9 +370,19 @@ class JobManager(models.Manager["Job"]):
         alias = self.db_alias
 
         def send() -> None:
-            jobs = [job] if job is not None else sender.objects.using(alias).filter(id__in=ids)
-            for each in sorted(jobs, key=lambda row: row.id):
-                signals.send(signals.job_enqueued, sender, job=each)
+            # After the commit: whatever goes wrong here (the read-back, a receiver) must not
+            # reach the caller, whose jobs are in the table (a retried enqueue would repeat
+            # them), nor stop Django's later on_commit hooks.
+            try:
+                jobs = [job] if job is not None else sender.objects.using(alias).filter(id__in=ids)
+                for each in sorted(jobs, key=lambda row: row.id):
+                    signals.send(signals.job_enqueued, sender, job=each)
+            except Exception:
+                logger.exception(
+                    "job_enqueued was not sent for %s committed job(s)",
+                    1 if job is not None else len(ids),
+                    extra={"action": "enqueue"},
+                )
 
         transaction.on_commit(send, using=alias)
 

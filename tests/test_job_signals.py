@@ -103,6 +103,28 @@ def test_job_enqueued_is_sent_once_the_enqueue_commits_and_only_for_new_jobs() -
 # -- job_started and job_finished, from real workers ------------------------------------------
 
 
+def test_a_raising_job_enqueued_receiver_never_reaches_the_caller(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # After the commit the jobs are in the table: an error here must not make the caller
+    # enqueue them again, nor stop Django's later on_commit hooks.
+    def receiver(**named: Any) -> None:
+        raise RuntimeError("the receiver's own bug")
+
+    later: list[str] = []
+    job_enqueued.connect(receiver)
+    try:
+        ids = Job.objects.enqueue_many(noop, [{"n": 1}, {"n": 2}])
+        with transaction.atomic():
+            single = Job.objects.enqueue(noop, {"n": 3}).id
+            transaction.on_commit(lambda: later.append("ran"))
+    finally:
+        job_enqueued.disconnect(receiver)
+    assert sorted(i for (i,) in query("SELECT id FROM pgjobs_job")) == [*ids, single]
+    assert later == ["ran"]
+    assert "the receiver's own bug" in caplog.text
+
+
 @pytest.mark.parametrize("mode", ["lease", "transaction"])
 def test_started_and_finished_for_done_retry_failed_and_snoozed_jobs(
     workers: Workers, tmp_path: Path, mode: str

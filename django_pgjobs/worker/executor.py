@@ -87,7 +87,7 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     started = time.perf_counter()
     try:
         func = registry.get(job.task)
-        if not func.stores_result:
+        if signals.job_started.receivers and not func.stores_result:
             started_signal(job)
         value = func.func(**job.payload)
         if func.stores_result:

@@ -138,6 +138,8 @@ def announce(outcome: Outcome, result: str, metrics: WorkerMetrics | None) -> No
     job = outcome.job
     if metrics is not None:
         metrics.finished(job.task, result, outcome.duration)
+    if not signals.job_finished.receivers:
+        return  # nobody listens (the common case): nothing more per job
     # The sender; imported here, as the worker's modules load before the apps are ready.
     from django_pgjobs.models import Job
 
