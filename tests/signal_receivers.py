@@ -8,7 +8,8 @@ Nothing is connected unless the worker's environment asks:
   file as one JSON line (what the tests read back);
 - ``PGJOBS_TEST_SIGNALS_RAISE=error``: a receiver that raises a ``RuntimeError`` is connected
   first, before the recording one (which must still be called); ``=exit``: one that calls
-  ``sys.exit()`` (connected last, after the recording one);
+  ``sys.exit()`` (connected last, after the recording one); ``=query``: a ``job_started``
+  receiver whose query fails (``SELECT 1 / 0``);
 - ``PGJOBS_TEST_LOG_RECORDS=<file>``: each WARNING-or-worse record of the ``django_pgjobs``
   loggers is appended as one JSON line with its ``extra`` fields and exception type
   (``testproject/settings.py`` adds :class:`RecordHandler` to ``LOGGING``: a handler added
@@ -48,6 +49,14 @@ def read(path: Any) -> list[dict[str, Any]]:
 
 def raising(sender: Any, **named: Any) -> None:
     raise RuntimeError("this receiver fails on purpose")
+
+
+def querying(sender: Any, **named: Any) -> None:
+    """A receiver whose query fails: on the job's own connection, in transaction mode."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1 / 0")
 
 
 def exiting(sender: Any, **named: Any) -> None:
@@ -120,6 +129,8 @@ if os.environ.get(SIGNALS):
     if os.environ.get(RAISE) == "error":
         job_started.connect(raising)
         job_finished.connect(raising)
+    if os.environ.get(RAISE) == "query":
+        job_started.connect(querying)
     job_started.connect(record_started)
     job_finished.connect(record_finished)
     if os.environ.get(RAISE) == "exit":

@@ -22,7 +22,7 @@ from testproject.shop.tasks import order_total
 from testproject.testjobs import boom, hangs, long_running, noop, rate_limited
 from tests.helpers import job_row, wait_until
 from tests.signal_receivers import LOG_RECORDS, RAISE, SIGNALS, read
-from tests.workers import Process, Workers, fails_first, query, until_cancelled
+from tests.workers import Process, Workers, fails_first, query, until_cancelled, write_order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -234,6 +234,21 @@ def test_a_raising_receiver_is_logged_and_changes_nothing(
     assert outcomes(path, done) == [("done", 1, None)]
     assert outcomes(path, failed) == [("failed", 1, "RuntimeError")]
     assert "ran 2 jobs: 1 done, 0 to retry, 1 failed, 0 lost" in worker.output()
+
+
+@pytest.mark.parametrize("mode", ["lease", "transaction"])
+def test_a_receiver_whose_query_fails_leaves_the_jobs_transaction_usable(
+    workers: Workers, tmp_path: Path, mode: str
+) -> None:
+    # In transaction mode job_started is sent inside the job's transaction: without a
+    # savepoint of its own, the receiver's failed query would fail the job that runs next.
+    path = tmp_path / "signals.jsonl"
+    order = Job.objects.enqueue(write_order, {"email": "receiver@example.com"}).id
+    worker = workers.burst("--mode", mode, test_jobs=True, env={SIGNALS: str(path), RAISE: "query"})
+    assert status(order) == "done", job_row(order)["last_error"]
+    assert query("SELECT count(*) FROM shop_order WHERE email = 'receiver@example.com'") == [(1,)]
+    assert "a receiver of job_started raised: querying" in worker.log()
+    assert outcomes(path, order) == [("done", 1, None)]
 
 
 @pytest.mark.parametrize("mode", ["lease", "transaction"])

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from django.db import connections
+import psycopg
+from django.db import connections, transaction
 
 from django_pgjobs import registry, signals, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
@@ -88,7 +89,7 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     try:
         func = registry.get(job.task)
         if signals.job_started.receivers and not func.stores_result:
-            started_signal(job)
+            started_signal(job, alias)
         value = func.func(**job.payload)
         if func.stores_result:
             validation.result(value)
@@ -123,12 +124,28 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     return Outcome(job, COMPLETE, time.perf_counter() - started, result=value)
 
 
-def started_signal(job: ClaimedJob) -> None:
+def started_signal(job: ClaimedJob, alias: str) -> None:
     """``job_started``, when someone listens (the sender: the ``Job`` model, imported here as
-    the worker's modules load before the apps are ready)."""
+    the worker's modules load before the apps are ready).
+
+    In transaction mode the job's own transaction is open on the thread's connection: a
+    receiver's failed query would leave it aborted, and the job's first query would then fail
+    the job. A savepoint keeps a receiver's trouble its own: rolled back to when the
+    transaction is in error afterwards."""
     from django_pgjobs.models import Job
 
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        signals.send(signals.job_started, Job, job=job)
+        return
+    point = transaction.savepoint(using=alias)
     signals.send(signals.job_started, Job, job=job)
+    status = connection.connection.info.transaction_status
+    if status == psycopg.pq.TransactionStatus.INERROR:
+        transaction.savepoint_rollback(point, using=alias)
+        transaction.set_rollback(False, using=alias)
+    else:
+        transaction.savepoint_commit(point, using=alias)
 
 
 def decide(
