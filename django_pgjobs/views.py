@@ -23,7 +23,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_safe
 
-from django_pgjobs import conf, doctor
+from django_pgjobs import conf
 
 REALM = "django-pgjobs"
 
@@ -83,6 +83,10 @@ def health(request: HttpRequest) -> HttpResponse:
     refused = refusal(request)
     if refused is not None:
         return refused
+    # Imported here: a project's urls import this module, which must not need the models
+    # (their app may not be installed: its system check says so, and must get to run).
+    from django_pgjobs import doctor
+
     report, findings = doctor.examine(thresholds=doctor.Thresholds.from_settings(), queries=False)
     problems = [finding for finding in findings if finding.outage]
     body: dict[str, Any] = {
