@@ -134,7 +134,22 @@ class Completer(threading.Thread):
 
     def untrack(self, job: ClaimedJob) -> None:
         with self._cond:
-            self._running.pop(job.id, None)
+            self._stop_tracking(job)
+
+    def _stop_tracking(self, job: ClaimedJob) -> None:
+        """Forget this claim's heartbeat (with the lock held): only if the entry is still this
+        claim's, since a job whose outcome is written may be claimed again at once (a release,
+        a retry without backoff) and the new claim's entry has the same id."""
+        running = self._running.get(job.id)
+        if running is not None and running.job is job:
+            del self._running[job.id]
+
+    def _release_hold(self, job: ClaimedJob) -> None:
+        """Forget that this claim is held (with the lock held): only if it is still this claim,
+        for the same reason; dropping the new claim's hold made its executor skip it as not
+        ours, and the job waited out its whole lease ``running``."""
+        if self._held.get(job.id) is job:
+            del self._held[job.id]
 
     def record(self, outcome: Outcome) -> None:
         with self._cond:
@@ -357,7 +372,7 @@ class Completer(threading.Thread):
     def _forget(self, group: list[Outcome]) -> None:
         with self._cond:
             for o in group:
-                self._held.pop(o.job.id, None)
+                self._release_hold(o.job)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -380,8 +395,8 @@ class Completer(threading.Thread):
             with self._cond:
                 running.ours = False
                 if running.deadline == math.inf:
-                    self._running.pop(running.job.id, None)
-                self._held.pop(running.job.id, None)
+                    self._stop_tracking(running.job)
+                self._release_hold(running.job)
 
     def _abandon(self) -> None:
         with self._cond:
