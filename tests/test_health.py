@@ -14,6 +14,7 @@ from dataclasses import fields
 from datetime import timedelta
 from typing import Any
 
+import django
 import pytest
 from django.contrib.auth.models import User
 from django.core import mail
@@ -242,10 +243,17 @@ def alarms() -> Any:
     signals.queue_unhealthy.disconnect(received)
 
 
+# Django 6.0 takes addresses and deprecates (name, address) pairs, which Django 4.2 and 5.2
+# require.
+ADMINS: list[Any] = (
+    ["ops@example.com"] if django.VERSION >= (6, 0) else [("Ops", "ops@example.com")]
+)
+
+
 def test_a_breach_alarms_once_until_the_queue_is_healthy_again(
     alarms: Alarms, settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings.ADMINS = [("Ops", "ops@example.com")]
+    settings.ADMINS = ADMINS
     caplog.set_level(logging.INFO, logger="django_pgjobs.doctor")
     register_worker("web-1:1", {"default": None})
     watch = doctor.Watch(mail=True)
@@ -312,7 +320,7 @@ def test_warnings_alone_never_alarm(alarms: Alarms) -> None:
 
 
 def test_without_mail_admins_no_mail_is_sent(alarms: Alarms, settings: Any) -> None:
-    settings.ADMINS = [("Ops", "ops@example.com")]
+    settings.ADMINS = ADMINS
     make_job(status="running", attempts=1, locked_until=timedelta(minutes=-1))
     doctor.Watch().tick()
     assert len(alarms.sent) == 1
@@ -322,7 +330,7 @@ def test_without_mail_admins_no_mail_is_sent(alarms: Alarms, settings: Any) -> N
 def test_a_mail_server_that_refuses_is_logged_and_the_watch_goes_on(
     alarms: Alarms, settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings.ADMINS = [("Ops", "ops@example.com")]
+    settings.ADMINS = ADMINS
     settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
     settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", 1  # nothing listens there
     make_job(status="running", attempts=1, locked_until=timedelta(minutes=-1))

@@ -159,6 +159,11 @@ def test_a_failing_step_is_logged_retried_recorded_and_reported(workers: Workers
         log = worker.wait_for_log("(failure 3 in a row)", timeout=60)
         assert "ERROR django_pgjobs.scheduler: schedule broken: could not enqueue" in log
         assert "Traceback" in log and "test_refuses_broken" in log
+        # The log line comes just before the failure is recorded on the schedule's row.
+        wait_until(
+            lambda: query("SELECT failures FROM pgjobs_schedule WHERE name = 'broken'")[0][0] >= 3,
+            message="the third failure to be recorded",
+        )
         row = query("SELECT last_error, failures FROM pgjobs_schedule WHERE name = 'broken'")
         assert "test_refuses_broken" in row[0][0] and row[0][1] >= 3
         assert latest_tick("broken") is None
