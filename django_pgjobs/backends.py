@@ -15,7 +15,6 @@ and what ``@job`` says that ``django.tasks`` has no words for: ``RETRY_ON`` and
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -356,7 +355,7 @@ class PgJobsBackend(BaseTaskBackend):
                 "or the module defining the task is not imported here."
             )
         # The row says where it ran; no re-validation (QUEUES may have changed since).
-        task = copy.copy(runner.task)
+        task = _copy_task(runner.task)
         object.__setattr__(task, "queue_name", job.queue)
         object.__setattr__(task, "priority", job.priority)
         object.__setattr__(task, "backend", job.payload.get("backend", self.alias))
@@ -480,3 +479,13 @@ class PgJobsBackend(BaseTaskBackend):
                 hint="The seconds one attempt of a task may run (None: no limit).",
                 id="pgjobs.E029",
             )
+
+
+def _copy_task(task: Task[..., Any]) -> Task[..., Any]:
+    """A shallow copy of ``task``, field by field. ``copy.copy()`` goes through the task's
+    ``__reduce__``, which on Django 6.1 imports the task again by its dotted path, and refuses
+    one whose module attribute is the bare function (a task made with ``task()(func)``)."""
+    clone = object.__new__(type(task))
+    for each in dataclasses.fields(task):
+        object.__setattr__(clone, each.name, getattr(task, each.name))
+    return clone

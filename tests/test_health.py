@@ -250,6 +250,10 @@ ADMINS: list[Any] = (
 )
 
 
+# Django 6.1 deprecates the EMAIL_* settings (pytest-django sets one) and a mail sent with no
+# MAILERS: warnings of the version, not of the watch.
+@pytest.mark.filterwarnings("ignore:The EMAIL_[A-Z_]+ setting is deprecated")
+@pytest.mark.filterwarnings("ignore:Django 2028 will not have a default mailer")
 def test_a_breach_alarms_once_until_the_queue_is_healthy_again(
     alarms: Alarms, settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -327,6 +331,10 @@ def test_without_mail_admins_no_mail_is_sent(alarms: Alarms, settings: Any) -> N
     assert mail.outbox == []
 
 
+# Django 6.1 deprecates the EMAIL_* settings (pytest-django sets one) and a mail sent with no
+# MAILERS: warnings of the version, not of the watch.
+@pytest.mark.filterwarnings("ignore:The EMAIL_[A-Z_]+ setting is deprecated")
+@pytest.mark.filterwarnings("ignore:Django 2028 will not have a default mailer")
 def test_a_mail_server_that_refuses_is_logged_and_the_watch_goes_on(
     alarms: Alarms, settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
