@@ -182,10 +182,12 @@ def claim(
     suspects: bool = True,
     tasks: sql.TextArray | None = None,
     guarded: bool = False,
+    idle: bool = False,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` ready jobs; without ``suspects``, only jobs whose last attempt
     did not end with its worker dead (``crashes`` = 0); with ``tasks``, only jobs of those
-    tasks.
+    tasks. ``idle`` (an idle worker's plain claim, ``sql.CLAIM_IDLE``): the first job may be
+    a suspect, and is then the only one; the others may not.
 
     The plain claim (one statement) takes nothing from a paused or limited queue and no job
     with a lock key. ``guarded`` claims those, within the queue's limits and one job per free
@@ -224,7 +226,7 @@ def claim(
             )
             return []
     else:
-        rows = sql.run(connection, sql.CLAIM, params)
+        rows = sql.run(connection, sql.CLAIM_IDLE if idle else sql.CLAIM, params)
     jobs = []
     for row in rows:
         job_id, job_queue, task, text, attempts, max_attempts, claimed_at, outages = row[:8]

@@ -181,9 +181,21 @@ RETURNING j.id, j.queue, j.task, j.payload::text, j.attempts, j.max_attempts, j.
 # an old worker leaves a new task's jobs queued for the new workers. The names are read in an
 # InitPlan: the planner, which plans each claim afresh, then does not estimate the
 # selectivity of every name against the column's statistics each time.
-_CLAIMABLE: LiteralString = """
-    AND (crashes = 0 OR %(suspects)s::bool)
+_CLAIMABLE_TASKS: LiteralString = """
     AND task = ANY(coalesce((SELECT %(tasks)s::text[]), ARRAY[task]))"""
+_CLAIMABLE: LiteralString = (
+    """
+    AND (crashes = 0 OR %(suspects)s::bool)"""
+    + _CLAIMABLE_TASKS
+)
+
+# The plain claims take nothing from a queue that is paused or has a limit: the uncorrelated
+# NOT EXISTS is an InitPlan (one primary-key probe of pgjobs_queue per statement, a One-Time
+# Filter); those jobs are CLAIM_GUARDED's.
+_UNGUARDED: LiteralString = """
+    AND NOT EXISTS (SELECT FROM pgjobs_queue q
+                    WHERE q.name = %(queue)s
+                      AND (q.paused OR q.concurrency IS NOT NULL OR q.rate_count IS NOT NULL))"""
 
 # The hot path: one statement per batch. Lock the chosen rows in the CTE (SKIP LOCKED: never
 # wait behind another worker), then update through it. Never `WHERE id = (SELECT ... LIMIT
@@ -191,22 +203,58 @@ _CLAIMABLE: LiteralString = """
 # UPDATE)`, which some plans let lock more rows than the LIMIT (PostgreSQL bug #15715). The
 # ORDER BY matches the partial index pgjobs_job_ready_idx, so the plan is Limit -> LockRows
 # -> Index Scan; the filters above are filters on that scan. It takes no job with a lock key
-# and nothing from a queue that is paused or has a limit: the uncorrelated NOT EXISTS is an
-# InitPlan (one primary-key probe of pgjobs_queue per statement, a One-Time Filter), and
-# those jobs are CLAIM_GUARDED's.
+# (those are CLAIM_GUARDED's) and nothing from a paused or limited queue (_UNGUARDED).
 CLAIM: LiteralString = (
     """
 WITH next AS (
   SELECT id FROM pgjobs_job
   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL"""
     + _CLAIMABLE
+    + _UNGUARDED
     + """
-    AND NOT EXISTS (SELECT FROM pgjobs_queue q
-                    WHERE q.name = %(queue)s
-                      AND (q.paused OR q.concurrency IS NOT NULL OR q.rate_count IS NOT NULL))
   ORDER BY priority DESC, run_at
   LIMIT %(limit)s
   FOR UPDATE SKIP LOCKED
+)
+UPDATE pgjobs_job j"""
+    + _CLAIM_SET
+    + "now()"
+    + _CLAIM_SET_REST
+    + _COMMIT
+    + _CLAIM_RETURNING
+)
+
+# An idle worker's claim (worker/lease.py): the first ready job may be a suspect, which then
+# runs alone; otherwise the rest of the batch, without suspects, comes in the same statement.
+# Each part is its own Limit -> LockRows -> Index Scan on pgjobs_job_ready_idx, as CLAIM's;
+# `rest` skips the row `head` locked (this transaction's own lock would not make SKIP LOCKED
+# pass it over), and when `head` took a suspect a One-Time Filter keeps `rest` from scanning
+# at all, so it locks no row it would not take.
+CLAIM_IDLE: LiteralString = (
+    """
+WITH head AS MATERIALIZED (
+  SELECT id, crashes FROM pgjobs_job
+  WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL"""
+    + _CLAIMABLE_TASKS
+    + _UNGUARDED
+    + """
+  ORDER BY priority DESC, run_at
+  LIMIT 1
+  FOR UPDATE SKIP LOCKED
+), rest AS MATERIALIZED (
+  SELECT id FROM pgjobs_job
+  WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL
+    AND crashes = 0"""
+    + _CLAIMABLE_TASKS
+    + _UNGUARDED
+    + """
+    AND NOT EXISTS (SELECT FROM head WHERE head.crashes > 0)
+    AND id <> ALL (ARRAY(SELECT id FROM head))
+  ORDER BY priority DESC, run_at
+  LIMIT %(limit)s - 1
+  FOR UPDATE SKIP LOCKED
+), next AS MATERIALIZED (
+  SELECT id FROM head UNION ALL SELECT id FROM rest
 )
 UPDATE pgjobs_job j"""
     + _CLAIM_SET

@@ -276,8 +276,8 @@ def test_a_burst_runs_each_suspect_of_one_claim_alone(workers: Workers) -> None:
     plain = Job.objects.enqueue_many(write_order, [{"email": "plain-1"}, {"email": "plain-2"}])
     process = workers.burst("--concurrency", "4", test_jobs=True)
 
-    # An idle worker claims one job at a time while suspects may come: each suspect was
-    # claimed alone and ran alone, and nothing had to be given back for it.
+    # An idle worker's claim takes a suspect only as its first job, and then alone: each
+    # suspect was claimed alone and ran alone, and nothing had to be given back for it.
     for job_id in [*suspects, *plain]:
         assert crash_state(job_id)[:3] == ("done", 1, 0)
     log = process.log()

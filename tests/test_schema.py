@@ -7,6 +7,7 @@ The migration's SQL is frozen by hand, so nothing but these tests keeps it, the 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
 
@@ -27,44 +28,61 @@ class ClaimPlanTests(TransactionTestCase):
         make_jobs(5000, status="done", attempts=1)
         make_jobs(50)
         make_jobs(20, queue="emails")
-        # A busy worker claims without suspects, an idle one (and Job.objects) with them:
-        # either way the same plan.
-        for suspects in (False, True):
-            with self.subTest(suspects=suspects):
+        # A busy worker claims without suspects, Job.objects with them, an idle worker its
+        # head (suspects allowed) and the rest (none) in one statement: every claim, each of
+        # its parts, the same plan.
+        claims = [
+            ("busy", sql.CLAIM, {"suspects": False}, ["next"]),
+            ("any", sql.CLAIM, {"suspects": True}, ["next"]),
+            ("idle", sql.CLAIM_IDLE, {}, ["head", "rest"]),
+        ]
+        for name, statement, extra, ctes in claims:
+            with self.subTest(claim=name):
                 with connection.cursor() as cursor:
                     cursor.execute("ANALYZE pgjobs_job")
                     cursor.execute(
-                        "EXPLAIN (COSTS OFF) " + sql.CLAIM,
+                        "EXPLAIN (COSTS OFF) " + statement,
                         {
                             "queue": "default",
                             "limit": 10,
                             "lease": "5 minutes",
                             "worker_id": "explain",
-                            "suspects": suspects,
                             "synchronous_commit": "off",
                             "tasks": None,
+                            **extra,
                         },
                     )
                     plan = [row[0] for row in cursor.fetchall()]
                 text = "\n".join(plan)
-
-                def line_of(pattern: str, plan: list[str] = plan, text: str = text) -> int:
-                    matches = [i for i, line in enumerate(plan) if re.search(pattern, line)]
-                    assert matches, f"{pattern!r} not in plan:\n{text}"
-                    return matches[0]
-
-                def depth(i: int, plan: list[str] = plan) -> int:
-                    return len(plan[i]) - len(plan[i].lstrip(" -"))
-
-                cte = line_of(r"^\s*CTE next$")
-                limit = line_of(r"->\s+Limit$")
-                lock = line_of(r"->\s+LockRows$")
-                scan = line_of(
-                    r"->\s+Index (Only )?Scan using pgjobs_job_ready_idx on pgjobs_job\b"
-                )
-                assert cte < limit < lock < scan, text
-                assert depth(cte) < depth(limit) < depth(lock) < depth(scan), text
                 assert "Seq Scan on pgjobs_job" not in text, text
+                for cte in ctes:
+                    part = cte_of(plan, cte)
+                    shown = "\n".join(part)
+                    limit = line_of(part, r"->\s+Limit$")
+                    lock = line_of(part, r"->\s+LockRows$")
+                    scan = line_of(
+                        part, r"->\s+Index (Only )?Scan using pgjobs_job_ready_idx on pgjobs_job\b"
+                    )
+                    assert 0 < limit < lock < scan, shown
+                    assert depth(part[0]) < depth(part[limit]) < depth(part[lock]), shown
+                    assert depth(part[lock]) < depth(part[scan]), shown
+
+
+def line_of(plan: list[str], pattern: str) -> int:
+    matches = [i for i, line in enumerate(plan) if re.search(pattern, line)]
+    assert matches, f"{pattern!r} not in plan:\n" + "\n".join(plan)
+    return matches[0]
+
+
+def depth(line: str) -> int:
+    return len(line) - len(line.lstrip(" -"))
+
+
+def cte_of(plan: list[str], name: str) -> list[str]:
+    """The lines of the plan's ``CTE name`` node: the node and all it holds."""
+    start = line_of(plan, rf"^\s*CTE {name}$")
+    inside = itertools.takewhile(lambda line: depth(line) > depth(plan[start]), plan[start + 1 :])
+    return [plan[start], *inside]
 
 
 class TableTests(TestCase):

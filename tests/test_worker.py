@@ -35,7 +35,10 @@ def test_two_workers_drain_ten_thousand_jobs_each_run_once(workers: Workers) -> 
             workers.start("--concurrency", "4", "--burst", "--reap-interval", "0") for _ in range(2)
         )
         wait_until(
-            lambda: first.sent(sql.CLAIM, waiting=True) and second.sent(sql.CLAIM, waiting=True),
+            lambda: (
+                first.sent(sql.CLAIM_IDLE, waiting=True)
+                and second.sent(sql.CLAIM_IDLE, waiting=True)
+            ),
             message="both workers' first claim to wait on the lock",
         )
 

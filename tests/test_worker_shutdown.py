@@ -42,15 +42,15 @@ def test_jobs_claimed_after_sigterm_are_released_not_run(workers: Workers) -> No
         worker.send(signal.SIGTERM)
         worker.wait_for_log("SIGTERM: stopping")
         assert worker.alive
-    # The lock is gone: the claim returns a job to a worker that is stopping (an idle worker
-    # claims one job first: a suspect, if it is one, must run alone).
+    # The lock is gone: the claim returns two jobs (one per free slot) to a worker that is
+    # stopping.
 
     assert worker.wait() == 0, worker.tail()
-    summary = "ran 0 jobs: 0 done, 0 to retry, 0 failed, 0 lost, 0 cancelled; 1 released, 0 reaped"
+    summary = "ran 0 jobs: 0 done, 0 to retry, 0 failed, 0 lost, 0 cancelled; 2 released, 0 reaped"
     assert worker.output().strip().splitlines()[-1] == summary, worker.tail()
     assert summary in worker.log()
-    # All four as they were enqueued: the claimed one was given back, attempt and all, and no
-    # claim started after the stop.
+    # All four as they were enqueued: the claimed ones were given back, attempt and all, and
+    # no claim started after the stop.
     assert query(
         "SELECT id, status, attempts, locked_until, started_at, attempted_at, worker_ids::text "
         "FROM pgjobs_job ORDER BY id"
@@ -69,14 +69,14 @@ def test_jobs_handed_out_before_the_stop_run_however_late_an_executor_takes_them
 
     stats = StopAtHandOut(["default"], concurrency=2, poll_interval=600, reap_interval=0).run()
 
-    # The one its first claim took (an idle worker claims one job first) ran on its first
-    # attempt; the others were never claimed: no claim starts after the stop.
-    assert (stats.claimed, stats.done, stats.released) == (1, 1, 0)
+    # The two its first claim took (one per slot) ran on their first attempt; the third was
+    # never claimed: no claim starts after the stop.
+    assert (stats.claimed, stats.done, stats.released) == (2, 2, 0)
     assert query(
         "SELECT status, attempts, count(*) FROM pgjobs_job WHERE id = ANY(%s) "
         "GROUP BY status, attempts ORDER BY status",
         [ids],
-    ) == [("done", 1, 1), ("queued", 0, 2)]
+    ) == [("done", 1, 2), ("queued", 0, 1)]
 
 
 def test_jobs_still_running_after_the_shutdown_timeout_have_their_leases_ended(

@@ -45,23 +45,41 @@ class LeaseMode:
         Jobs of a claim that returns after stop was requested are given back instead, not
         started and their attempt not counted. The decision is taken here, as the claim
         returns, not when an executor picks a job up: a job handed out before the stop runs
-        however late its executor thread gets to it. An idle worker claims one job first,
-        suspects included: a suspect then runs alone; any other job is handed out at once and
-        the rest of the batch is claimed without suspects, as a busy worker claims.
+        however late its executor thread gets to it. An idle worker's claim may take a
+        suspect first, which then runs alone; otherwise the rest of its batch, without
+        suspects, comes in the same statement (``sql.CLAIM_IDLE``). The guarded claim does
+        the same in two statements: one job first, then the rest.
         """
         if self.completer.held():
             return self._claim(queue_name, wanted, suspects=False, guarded=guarded)
         self.skipped.discard(queue_name)
+        if not guarded and wanted > 1:
+            return self._claim(queue_name, wanted, suspects=True, idle=True)
         first = self._claim(queue_name, 1, suspects=True, guarded=guarded)
         if not first or self.solo is not None or wanted == 1 or self.stopping.is_set():
             return first
         return first + self._claim(queue_name, wanted - 1, suspects=False, guarded=guarded)
 
-    def _claim(self, queue_name: str, wanted: int, *, suspects: bool, guarded: bool) -> int:
+    def _claim(
+        self,
+        queue_name: str,
+        wanted: int,
+        *,
+        suspects: bool,
+        guarded: bool = False,
+        idle: bool = False,
+    ) -> int:
         jobs = self.store.claim(
-            queue_name, wanted, self.lease, self.worker_id, suspects=suspects, guarded=guarded
+            queue_name,
+            wanted,
+            self.lease,
+            self.worker_id,
+            suspects=suspects,
+            guarded=guarded,
+            idle=idle,
         )
-        if not suspects:
+        if not suspects or (idle and jobs and not any(job.crashes for job in jobs)):
+            # Suspects were (or may have been) left out of this claim.
             self.skipped.add(queue_name)
         self.completer.hold(jobs)
         if self.stopping.is_set():

@@ -63,6 +63,7 @@ class Store:
         *,
         suspects: bool = True,
         guarded: bool = False,
+        idle: bool = False,
     ) -> list[ClaimedJob]:
         connection, commit = self._connection()
         return lifecycle.claim(
@@ -75,6 +76,7 @@ class Store:
             suspects=suspects,
             tasks=self._tasks,
             guarded=guarded,
+            idle=idle,
         )
 
     def complete(self, jobs: Iterable[Claim], results: dict[int, Any]) -> set[int]:
