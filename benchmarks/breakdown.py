@@ -1,0 +1,129 @@
+"""Where one ``enqueue()`` spends its time: each part timed alone, in microseconds per enqueue.
+
+Not part of ``benchmarks.run``: a diagnostic to run by hand against any database that has the
+schema (``manage.py migrate``)::
+
+    DATABASE_URL=postgres://... DJANGO_SETTINGS_MODULE=benchmarks.settings \\
+        python -m benchmarks.breakdown [--jobs N]
+
+The session runs with ``synchronous_commit = off`` (``--sync``: the server's setting) so
+that the WAL flush of each commit (the same for every row here, and the noisiest part on a
+shared disk) does not hide the rest.
+Each row is the fastest of 5 rounds of N calls, the parts taking turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import django
+
+django.setup()
+
+from django.db import connections  # noqa: E402
+
+from django_pgjobs import sql, validation  # noqa: E402
+from django_pgjobs.models import Job  # noqa: E402
+
+TASK = "testproject.testjobs.noop"
+BARE = (
+    "INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at) "
+    "VALUES (%s, %s, %s::jsonb, %s, %s, now()) RETURNING id"
+)
+ROUNDS = 5
+
+
+def _time(n: int, parts: list[tuple[str, Callable[[int], Any]]]) -> list[tuple[str, float]]:
+    """Microseconds per call of each part: the parts take turns, ``n`` calls each, for
+    ``ROUNDS`` rounds (so a busy neighbour slows all alike); the fastest round of each."""
+    rounds: dict[str, list[float]] = {name: [] for name, _ in parts}
+    for _ in range(ROUNDS):
+        for name, step in parts:
+            started = time.perf_counter()
+            for i in range(n):
+                step(i)
+            rounds[name].append((time.perf_counter() - started) / n * 1e6)
+    return [(name, min(rounds[name])) for name, _ in parts]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2000, help="calls per round (default 2,000)")
+    parser.add_argument(
+        "--sync", action="store_true", help="keep the server's synchronous_commit (WAL flush)"
+    )
+    args = parser.parse_args()
+    n = args.jobs
+    connection = connections["default"]
+    connection.ensure_connection()
+    if not args.sync:
+        with connection.cursor() as cursor:
+            cursor.execute("SET synchronous_commit = off")
+    manager = Job.objects
+    plan = manager._plan(
+        TASK,
+        [{"n": 0}],
+        queue=None,
+        run_at=None,
+        delay=None,
+        priority=None,
+        max_attempts=None,
+        timeout=None,
+        unique_key=None,
+        unique_while=None,
+        lock_key=None,
+    )
+    params = plan.params | {"payload": plan.texts[0], "lock_key": None, "unique_key": None}
+    quiet = params | {"notify_channel": None}
+
+    def bare(i: int) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(BARE, ["default", TASK, json.dumps({"n": i}), 0, 5])
+            cursor.fetchall()
+
+    def planned(i: int) -> None:
+        manager._plan(
+            TASK,
+            [{"n": i}],
+            queue=None,
+            run_at=None,
+            delay=None,
+            priority=None,
+            max_attempts=None,
+            timeout=None,
+            unique_key=None,
+            unique_while=None,
+            lock_key=None,
+        )
+
+    rows = _time(
+        n,
+        [
+            ("bare INSERT ... RETURNING id (Django cursor)", bare),
+            ("enqueue()", lambda i: manager.enqueue(TASK, {"n": i})),
+            (
+                "  ENQUEUE_ONE alone (sql.run)",
+                lambda i: sql.run(connection, sql.ENQUEUE_ONE, params),
+            ),
+            (
+                "  ENQUEUE_ONE without its NOTIFY",
+                lambda i: sql.run(connection, sql.ENQUEUE_ONE, quiet),
+            ),
+            ("  client: _plan() (resolve, validate, encode)", planned),
+            ("  client: validation.payload()", lambda i: validation.payload({"n": i})),
+        ],
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE pgjobs_job")
+    width = max(len(name) for name, _ in rows)
+    print(f"{'part':<{width}}  us/enqueue  (fastest of {ROUNDS} x {n})")
+    for name, micros in rows:
+        print(f"{name:<{width}}  {micros:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
