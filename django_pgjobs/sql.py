@@ -175,6 +175,11 @@ RETURNING j.id, j.queue, j.task, j.payload::text, j.attempts, j.max_attempts, j.
           j.outage_releases, j.schedule, j.scheduled_at, j.crashes,
           extract(epoch FROM j.timeout)::float8"""
 
+# The plain claims' UPDATE through their `next`, stamped with the transaction's time.
+_CLAIM_UPDATE_NOW: LiteralString = (
+    "UPDATE pgjobs_job j" + _CLAIM_SET + "now()" + _CLAIM_SET_REST + _COMMIT + _CLAIM_RETURNING
+)
+
 # Which ready jobs a claim may take besides the queue and the time: a busy worker passes
 # `suspects` false (a job whose last attempt ended with its worker dead runs only on an idle
 # one, alone); `tasks` is the worker's registry (NULL: any task), so during a rolling deploy
@@ -216,12 +221,8 @@ WITH next AS (
   LIMIT %(limit)s
   FOR UPDATE SKIP LOCKED
 )
-UPDATE pgjobs_job j"""
-    + _CLAIM_SET
-    + "now()"
-    + _CLAIM_SET_REST
-    + _COMMIT
-    + _CLAIM_RETURNING
+"""
+    + _CLAIM_UPDATE_NOW
 )
 
 # An idle worker's claim (worker/lease.py): the first ready job may be a suspect, which then
@@ -256,12 +257,8 @@ WITH head AS MATERIALIZED (
 ), next AS MATERIALIZED (
   SELECT id FROM head UNION ALL SELECT id FROM rest
 )
-UPDATE pgjobs_job j"""
-    + _CLAIM_SET
-    + "now()"
-    + _CLAIM_SET_REST
-    + _COMMIT
-    + _CLAIM_RETURNING
+"""
+    + _CLAIM_UPDATE_NOW
 )
 
 # The guarded claims of the whole fleet take turns: the claim of a queue with a limit, or of
