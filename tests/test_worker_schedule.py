@@ -96,8 +96,8 @@ def test_after_a_job_the_ticks_stay_a_whole_interval_apart(workers: Workers) -> 
     activity.watch(3 * interval + 2)
     finished = job_row(job_id)["finished_at"]
     # Each connection shows only its latest statement, and by the first sample every one
-    # the job touched may have moved past the job's finished_at (the idle claim's second
-    # statement, the completer's commit): the job's burst is the one that starts within a
+    # the job touched may have moved past the job's finished_at (the outlook after the short
+    # claim, the completer's commit): the job's burst is the one that starts within a
     # burst's reach of it. The next tick is half an interval away.
     job_burst = [b for b in activity.bursts(ticked, apart) if b[0] <= finished + reach]
     assert len(job_burst) == 1, (finished, activity.bursts(ticked, apart))
