@@ -226,7 +226,8 @@ def claim(
             )
             return []
     else:
-        rows = sql.run(connection, sql.CLAIM_IDLE if idle else sql.CLAIM, params)
+        statement = sql.limited(sql.CLAIM_IDLE if idle else sql.CLAIM, limit)
+        rows = sql.run(connection, statement, params)
     jobs = []
     for row in rows:
         job_id, job_queue, task, text, attempts, max_attempts, claimed_at, outages = row[:8]

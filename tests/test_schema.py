@@ -10,15 +10,17 @@ import io
 import itertools
 import json
 import re
+from datetime import timedelta
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from django.test import TestCase, TransactionTestCase
 
-from django_pgjobs import sql
+from django_pgjobs import lifecycle, sql
 from django_pgjobs.models import ArchivedJob, Job, Status
-from tests.helpers import job_row, make_jobs, query, scalar
+from tests.helpers import job_row, make_jobs, query, raw_connect, scalar
 
 
 class ClaimPlanTests(TransactionTestCase):
@@ -31,30 +33,31 @@ class ClaimPlanTests(TransactionTestCase):
         # A busy worker claims without suspects, Job.objects with them, an idle worker its
         # head (suspects allowed) and the rest (none) in one statement: every claim, each of
         # its parts, the same plan.
+        # Each as the worker sends it (sql.limited: the LIMIT written in), planned for its
+        # parameters and generically, as PostgreSQL plans it from the sixth claim on.
         claims = [
             ("busy", sql.CLAIM, {"suspects": False}, ["next"]),
             ("any", sql.CLAIM, {"suspects": True}, ["next"]),
             ("idle", sql.CLAIM_IDLE, {}, ["head", "rest"]),
         ]
-        for name, statement, extra, ctes in claims:
-            with self.subTest(claim=name):
-                with connection.cursor() as cursor:
-                    cursor.execute("ANALYZE pgjobs_job")
-                    cursor.execute(
-                        "EXPLAIN (COSTS OFF) " + statement,
-                        {
-                            "queue": "default",
-                            "limit": 10,
-                            "lease": "5 minutes",
-                            "worker_id": "explain",
-                            "synchronous_commit": "off",
-                            "tasks": None,
-                            **extra,
-                        },
-                    )
-                    plan = [row[0] for row in cursor.fetchall()]
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE pgjobs_job")
+        for (name, statement, extra, ctes), generic in itertools.product(claims, (False, True)):
+            with self.subTest(claim=name, generic=generic):
+                params = {
+                    "queue": "default",
+                    "lease": "5 minutes",
+                    "worker_id": "explain",
+                    "synchronous_commit": "off",
+                    "tasks": None,
+                    "suspects": True,
+                    **extra,
+                }
+                limited = sql.limited(statement, 10)
+                plan = generic_plan(limited, params) if generic else custom_plan(limited, params)
                 text = "\n".join(plan)
                 assert "Seq Scan on pgjobs_job" not in text, text
+                assert re.search(r"Index Scan using pgjobs_job_pkey on pgjobs_job j\b", text), text
                 for cte in ctes:
                     part = cte_of(plan, cte)
                     shown = "\n".join(part)
@@ -66,6 +69,84 @@ class ClaimPlanTests(TransactionTestCase):
                     assert 0 < limit < lock < scan, shown
                     assert depth(part[0]) < depth(part[limit]) < depth(part[lock]), shown
                     assert depth(part[lock]) < depth(part[scan]), shown
+
+
+# The types of the claims' parameters, for a PREPARE of their own.
+CLAIM_TYPES = {
+    "queue": "text",
+    "lease": "interval",
+    "worker_id": "text",
+    "synchronous_commit": "text",
+    "tasks": "text",
+    "suspects": "bool",
+}
+
+
+def custom_plan(statement: str, params: dict[str, object]) -> list[str]:
+    """The plan of ``statement`` for these parameters' values."""
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (COSTS OFF) " + statement, params)
+        return [row[0] for row in cursor.fetchall()]
+
+
+def generic_plan(statement: str, params: dict[str, object]) -> list[str]:
+    """The generic plan of ``statement`` (planned without its parameters' values), as a
+    prepared statement gets once PostgreSQL judges it no worse than the custom ones."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement)
+    types = ", ".join(CLAIM_TYPES[name] for name in names)
+    # Bound on the client (the simple protocol): in the extended one the server would read
+    # the PREPARE's $n as parameters of the PREPARE itself.
+    with raw_connect() as conn, conn.transaction(), psycopg.ClientCursor(conn) as cursor:
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(f"PREPARE claim ({types}) AS {numbered}")
+        placeholders = ", ".join(["%s"] * len(names))
+        cursor.execute(
+            f"EXPLAIN (COSTS OFF) EXECUTE claim ({placeholders})", [params[name] for name in names]
+        )
+        rows = cursor.fetchall()
+        cursor.execute("DEALLOCATE claim")
+    return [row[0] for row in rows]
+
+
+class ClaimPlanCacheTests(TransactionTestCase):
+    def test_a_workers_repeated_claims_are_planned_once_per_batch_size(self) -> None:
+        # A bound LIMIT kept every claim on a custom plan, planned afresh each time; with
+        # the number written in (sql.limited), PostgreSQL switches to the generic plan after
+        # five custom ones, for each size and kind of claim.
+        # Thousands of ready rows: a generic plan guessing at a tenth of them is costly.
+        make_jobs(5000)
+        with raw_connect() as conn:
+            conn.prepare_threshold = 0
+            conn.execute("ANALYZE pgjobs_job")
+            for idle, limit in itertools.product((False, True), (3, 4)):
+                for _ in range(7):
+                    jobs = lifecycle.claim(
+                        conn,
+                        queue="default",
+                        limit=limit,
+                        lease=timedelta(minutes=5),
+                        worker_id="plans",
+                        synchronous_commit="off",
+                        suspects=False,
+                        idle=idle,
+                    )
+                    assert len(jobs) == limit
+            plans = conn.execute(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE %s ORDER BY statement",
+                ["%FOR UPDATE SKIP LOCKED%"],
+            ).fetchall()
+        assert plans == [(2, 5)] * 4, plans
+
+    def test_limited_writes_in_only_a_positive_integer(self) -> None:
+        assert "LIMIT 7\n" in sql.limited(sql.CLAIM, 7)
+        assert "LIMIT 7 - 1\n" in sql.limited(sql.CLAIM_IDLE, 7)
+        for bad in (0, -1, True, 2.0, "3"):
+            with self.subTest(limit=bad), pytest.raises(ValueError, match="positive integer"):
+                sql.limited(sql.CLAIM, bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="one LIMIT"):
+            sql.limited(sql.COMPLETE, 3)
 
 
 def line_of(plan: list[str], pattern: str) -> int:
