@@ -430,6 +430,31 @@ class Bench:
             "samples": [[round(t, 2), v] for t, v in samples],
         }
 
+    # -- claimers ---------------------------------------------------------------------------
+
+    def claimers(self, count: int) -> dict[str, Any]:
+        """``count`` threads claiming from one queue as a busy worker does, each batch then
+        completed, until ``claimers_jobs`` jobs (enqueued with ``enqueue_many()``) are drained;
+        every job must end done with attempts 1 (``benchmarks/claimers.py``)."""
+        from benchmarks.claimers import drain
+
+        n = self.sizes.claimers_jobs
+        self._reset(False)
+        Job.objects.enqueue_many(TASK, [{"n": i} for i in range(n)])
+        self.admin.run("ANALYZE pgjobs_job")
+        self.admin.checkpoint()
+        result = drain(
+            alias="default",
+            url=self.bench_url,
+            queue=conf.default_queue(),
+            jobs=n,
+            claimers=count,
+            batch=self.sizes.claim_batch,
+        )
+        self.admin.check_all_done(n, 0, f"claimers x{count}")
+        self._reset(False)
+        return result
+
     # -- the SQL ceiling --------------------------------------------------------------------
 
     def ceiling(self) -> dict[str, Any]:
