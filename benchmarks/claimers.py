@@ -163,11 +163,11 @@ def drain(
         start.wait()
     except threading.BrokenBarrierError:
         pass
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     sampler.start()
     for runner in runners:
         runner.join()
-    seconds = time.perf_counter() - began
+    seconds, driver_cpu = time.perf_counter() - began, time.process_time() - cpu_began
     sampler.stop.set()
     sampler.join()
     errors = [me.error for me in threads if me.error is not None]
@@ -190,6 +190,7 @@ def drain(
         "batch": batch,
         "seconds": seconds,
         "jobs_per_s": jobs / seconds,
+        "driver_cpu_s": driver_cpu,
         "claims": claims,
         "claim_p50_ms": cuts[49],
         "claim_p99_ms": cuts[98],

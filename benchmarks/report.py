@@ -272,6 +272,17 @@ def build_rows(
                 lambda r, q=q: r[f"claim_{q}_ms"],
             )
         add(
+            f"{source}.cpu",
+            f"{name}, driver + PostgreSQL CPU",
+            "ms/job",
+            source,
+            lambda r: (
+                None
+                if r.get("pg_cpu_s") is None
+                else (r["driver_cpu_s"] + r["pg_cpu_s"]) / r["jobs"] * 1000
+            ),
+        )
+        add(
             f"{source}.short_pct",
             f"{name}, claims short or empty",
             "%",

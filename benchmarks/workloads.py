@@ -443,6 +443,8 @@ class Bench:
         Job.objects.enqueue_many(TASK, [{"n": i} for i in range(n)])
         self.admin.run("ANALYZE pgjobs_job")
         self.admin.checkpoint()
+        children = self.cpu.count() if self.cpu else 0
+        pg_before = self.server_cpu()
         result = drain(
             alias="default",
             url=self.bench_url,
@@ -451,6 +453,10 @@ class Bench:
             claimers=count,
             batch=self.sizes.claim_batch,
         )
+        if self.cpu is not None:
+            self.cpu.settle(children)  # the claimers' backends exited: reaped, counted
+        pg_after = self.server_cpu()
+        result["pg_cpu_s"] = None if pg_before is None or pg_after is None else pg_after - pg_before
         self.admin.check_all_done(n, 0, f"claimers x{count}")
         self._reset(False)
         return result
