@@ -128,10 +128,10 @@ def main() -> None:
         f"{result['short_pct']:.1f}% short"
     )
     print("\nwaiting statement | its lock | blocking statement | the blocker's wait: samples")
-    for key, count in watcher.blocked.most_common(12):
+    for key, count in watcher.blocked.most_common():
         print(f"  {key}: {count}")
     print("\nrow status | lock modes | holder's statement: rows, summed over the samples")
-    for key, count in watcher.row_locks.most_common(12):
+    for key, count in watcher.row_locks.most_common():
         print(f"  {key}: {count}")
     for plan in watcher.plans:
         print("\n" + plan)
