@@ -112,7 +112,6 @@ def main() -> None:
     watcher.start()
     result = drain(
         alias="default",
-        url=url,
         queue=conf.default_queue(),
         jobs=args.jobs,
         claimers=args.claimers,

@@ -27,6 +27,7 @@ import psycopg
 
 from benchmarks.db import BenchAbort
 from django_pgjobs import conf, registry
+from django_pgjobs.connections import connection_params
 from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.worker.store import Store
 
@@ -81,16 +82,16 @@ class Claimer:
 class Sampler(threading.Thread):
     """Samples the claimers' wait events on a connection of its own until stopped."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, alias: str) -> None:
         super().__init__(daemon=True)
-        self.url = url
+        self.alias = alias
         self.stop = threading.Event()
         self.events: Counter[str] = Counter()
         self.samples = 0
         self.waiting_locks = 0
 
     def run(self) -> None:
-        with psycopg.connect(self.url, autocommit=True) as conn:
+        with psycopg.connect(**connection_params(self.alias), autocommit=True) as conn:
             while not self.stop.wait(SAMPLE_GAP):
                 rows = conn.execute(WAITS).fetchall()
                 self.samples += 1
@@ -101,7 +102,7 @@ class Sampler(threading.Thread):
 
 
 def drain(
-    *, alias: str, url: str, queue: str, jobs: int, claimers: int, batch: int
+    *, alias: str, queue: str, jobs: int, claimers: int, batch: int, timeout: float = 600.0
 ) -> dict[str, Any]:
     """Drain ``jobs`` ready jobs of ``queue`` with ``claimers`` threads; return the figures.
 
@@ -119,7 +120,7 @@ def drain(
     lease = conf.lease()
     tally = Tally(jobs)
     start = threading.Barrier(claimers + 1)
-    deadline = time.monotonic() + 600.0
+    deadline = time.monotonic() + timeout
     worker_id = default_worker_id()
 
     def claim_until_drained(me: Claimer) -> None:
@@ -129,7 +130,9 @@ def drain(
             start.wait()
             while (before := tally.unclaimed()) > 0:
                 if time.monotonic() > deadline:
-                    raise BenchAbort(f"claimers: {before} jobs still unclaimed after 600 s")
+                    raise BenchAbort(
+                        f"claimers: {before} jobs still unclaimed after {timeout:.0f} s"
+                    )
                 t0 = time.perf_counter()
                 got = store.claim(queue, batch, lease, f"{worker_id}:c{me.number}", suspects=False)
                 me.latencies.append((time.perf_counter() - t0) * 1000)
@@ -156,7 +159,7 @@ def drain(
     runners = [
         threading.Thread(target=claim_until_drained, args=(me,), daemon=True) for me in threads
     ]
-    sampler = Sampler(url)
+    sampler = Sampler(alias)
     for runner in runners:
         runner.start()
     try:
@@ -170,7 +173,11 @@ def drain(
     seconds, driver_cpu = time.perf_counter() - began, time.process_time() - cpu_began
     sampler.stop.set()
     sampler.join()
-    errors = [me.error for me in threads if me.error is not None]
+    # A failed claimer breaks the start barrier: the others' BrokenBarrierError is not news.
+    errors = sorted(
+        (me.error for me in threads if me.error is not None),
+        key=lambda exc: isinstance(exc, threading.BrokenBarrierError),
+    )
     if errors:
         if isinstance(errors[0], BenchAbort):
             raise errors[0]

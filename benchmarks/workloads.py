@@ -447,7 +447,6 @@ class Bench:
         pg_before = self.server_cpu()
         result = drain(
             alias="default",
-            url=self.bench_url,
             queue=conf.default_queue(),
             jobs=n,
             claimers=count,
