@@ -289,6 +289,18 @@ def build_rows(
             source,
             lambda r: r["short_pct"],
         )
+    for source in sorted(
+        (key for key in runs if key.startswith("pgbench_claimers_")),
+        key=lambda k: int(k.rsplit("_", 1)[1]),
+    ):
+        clients = source.rsplit("_", 1)[1]
+        add(
+            f"{source}.jobs_per_s",
+            f"Claimers: pgbench CLAIM 10 + COMPLETE, {clients} clients",
+            "jobs/s",
+            source,
+            lambda r: r["jobs_per_s"],
+        )
     add(
         "ceiling.jobs_per_s",
         "SQL ceiling: pgbench CLAIM 10 + COMPLETE, 8 clients",
@@ -498,6 +510,11 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
         ("claimers 16 / 1, jobs/s", "claimers_16.jobs_per_s", "claimers_1.jobs_per_s"),
         ("claimers 64 / 16, jobs/s", "claimers_64.jobs_per_s", "claimers_16.jobs_per_s"),
         ("claimers 64 / 16, claim p99", "claimers_64.claim_p99_ms", "claimers_16.claim_p99_ms"),
+        (
+            "pgbench claimers 64 / 16, jobs/s",
+            "pgbench_claimers_64.jobs_per_s",
+            "pgbench_claimers_16.jobs_per_s",
+        ),
     )
     for peer in sorted({key.split(".")[1] for key in med if key.startswith("peer.")}):
         pairs += (

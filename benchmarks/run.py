@@ -163,7 +163,7 @@ def headline(key: str, result: dict[str, Any]) -> str:
     """One short line per finished run of a workload, printed as the suite goes."""
     if key.startswith("peer."):
         key = key.rsplit(".", 1)[1]
-    if key.startswith("w1") or key == "ceiling":
+    if key.startswith("w1") or key == "ceiling" or key.startswith("pgbench_claimers"):
         return f"{result['jobs_per_s']:,.0f} jobs/s"
     if key.startswith("w2"):
         return f"{result['jobs_per_s']:,.0f} jobs/s"
@@ -344,15 +344,26 @@ def run_suite(
         # table and over --scrape-rows finished rows.
         ("scrape", "scrape_empty", lambda: bench.scrape(finished=False)),
         ("scrape", "scrape_full", lambda: bench.scrape(finished=True)),
-        # Many claimers on one queue (benchmarks/claimers.py): threads with a connection each.
+        # Many claimers on one queue (benchmarks/claimers.py): threads with a connection each,
+        # and the same claim and complete from pgbench's C clients (no Python beside them).
         *(
             ("claimers", f"claimers_{count}", lambda count=count: bench.claimers(count))
+            for count in sizes.claimer_counts
+        ),
+        *(
+            (
+                "claimers",
+                f"pgbench_claimers_{count}",
+                lambda count=count: bench.ceiling(clients=count, jobs=sizes.claimers_jobs),
+            )
             for count in sizes.claimer_counts
         ),
     ]
     if bench.pgbench is None and "ceiling" not in skip:
         print("pgbench not found: the SQL ceiling is not measured")
         skip = skip | {"ceiling"}
+    if bench.pgbench is None:
+        plan = [step for step in plan if not step[1].startswith("pgbench_")]
     if peers is not None:
         plan += peer_steps(peers, list(out["peers"]))
     plan = [step for step in plan if step[0] not in skip]
