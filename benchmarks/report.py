@@ -258,6 +258,49 @@ def build_rows(
             source,
             lambda r: r["scrape_ms"],
         )
+    for source in sorted(
+        (key for key in runs if key.startswith("claimers_")), key=lambda k: int(k.split("_")[1])
+    ):
+        name = f"Claimers: {source.split('_')[1]} on one queue"
+        add(f"{source}.jobs_per_s", name, "jobs/s", source, lambda r: r["jobs_per_s"])
+        for q in ("p50", "p99"):
+            add(
+                f"{source}.claim_{q}_ms",
+                f"{name}, claim {q}",
+                "ms",
+                source,
+                lambda r, q=q: r[f"claim_{q}_ms"],
+            )
+        add(
+            f"{source}.cpu",
+            f"{name}, driver + PostgreSQL CPU",
+            "ms/job",
+            source,
+            lambda r: (
+                None
+                if r.get("pg_cpu_s") is None
+                else (r["driver_cpu_s"] + r["pg_cpu_s"]) / r["jobs"] * 1000
+            ),
+        )
+        add(
+            f"{source}.short_pct",
+            f"{name}, claims short or empty",
+            "%",
+            source,
+            lambda r: r["short_pct"],
+        )
+    for source in sorted(
+        (key for key in runs if key.startswith("pgbench_claimers_")),
+        key=lambda k: int(k.rsplit("_", 1)[1]),
+    ):
+        clients = source.rsplit("_", 1)[1]
+        add(
+            f"{source}.jobs_per_s",
+            f"Claimers: pgbench CLAIM 10 + COMPLETE, {clients} clients",
+            "jobs/s",
+            source,
+            lambda r: r["jobs_per_s"],
+        )
     add(
         "ceiling.jobs_per_s",
         "SQL ceiling: pgbench CLAIM 10 + COMPLETE, 8 clients",
@@ -464,6 +507,14 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
         ("W2 enqueue_many() / enqueue()", "w2_bulk.jobs_per_s", "w2_single.jobs_per_s"),
         ("W1 4x2 with 10 lock keys / none", "w1_4x2_keys10.jobs_per_s", "w1_4x2_nokeys.jobs_per_s"),
         ("scrape, finished rows / none", "scrape_full.scrape_ms", "scrape_empty.scrape_ms"),
+        ("claimers 16 / 1, jobs/s", "claimers_16.jobs_per_s", "claimers_1.jobs_per_s"),
+        ("claimers 64 / 16, jobs/s", "claimers_64.jobs_per_s", "claimers_16.jobs_per_s"),
+        ("claimers 64 / 16, claim p99", "claimers_64.claim_p99_ms", "claimers_16.claim_p99_ms"),
+        (
+            "pgbench claimers 64 / 16, jobs/s",
+            "pgbench_claimers_64.jobs_per_s",
+            "pgbench_claimers_16.jobs_per_s",
+        ),
     )
     for peer in sorted({key.split(".")[1] for key in med if key.startswith("peer.")}):
         pairs += (

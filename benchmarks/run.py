@@ -34,7 +34,7 @@ from benchmarks import db, report  # noqa: E402
 from benchmarks.sizes import Sizes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss", "scrape")
+SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss", "scrape", "claimers")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,6 +65,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="pre-enqueued jobs of the pgbench ceiling run (default 100,000)",
     )
     parser.add_argument(
+        "--claimers-jobs",
+        type=int,
+        help="jobs each run of the claimers section drains (default 20,000; --quick 2,000)",
+    )
+    parser.add_argument(
         "--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}"
     )
     parser.add_argument(
@@ -84,7 +89,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def sizes_from(args: argparse.Namespace) -> Sizes:
     sizes = Sizes.quick() if args.quick else Sizes()
-    for name in ("runs", "jobs", "history_rows", "rss_jobs", "ceiling_jobs", "scrape_rows"):
+    for name in (
+        "runs",
+        "jobs",
+        "history_rows",
+        "rss_jobs",
+        "ceiling_jobs",
+        "scrape_rows",
+        "claimers_jobs",
+    ):
         value = getattr(args, name)
         if value is not None:
             if value < 1:
@@ -150,7 +163,7 @@ def headline(key: str, result: dict[str, Any]) -> str:
     """One short line per finished run of a workload, printed as the suite goes."""
     if key.startswith("peer."):
         key = key.rsplit(".", 1)[1]
-    if key.startswith("w1") or key == "ceiling":
+    if key.startswith("w1") or key == "ceiling" or key.startswith("pgbench_claimers"):
         return f"{result['jobs_per_s']:,.0f} jobs/s"
     if key.startswith("w2"):
         return f"{result['jobs_per_s']:,.0f} jobs/s"
@@ -162,6 +175,11 @@ def headline(key: str, result: dict[str, Any]) -> str:
         )
     if key.startswith("scrape"):
         return f"scrape {result['scrape_ms']:.3f} ms (median of {result['scrapes']})"
+    if key.startswith("claimers"):
+        return (
+            f"{result['jobs_per_s']:,.0f} jobs/s, claim p50 {result['claim_p50_ms']:.2f} ms, "
+            f"p99 {result['claim_p99_ms']:.2f}, short {result['short_pct']:.1f}%"
+        )
     if key.startswith("claim"):
         return f"claim {result['claim_ms']:.3f} ms, + complete {result['claim_complete_ms']:.3f}"
     if key == "naive":
@@ -326,10 +344,26 @@ def run_suite(
         # table and over --scrape-rows finished rows.
         ("scrape", "scrape_empty", lambda: bench.scrape(finished=False)),
         ("scrape", "scrape_full", lambda: bench.scrape(finished=True)),
+        # Many claimers on one queue (benchmarks/claimers.py): threads with a connection each,
+        # and the same claim and complete from pgbench's C clients (no Python beside them).
+        *(
+            ("claimers", f"claimers_{count}", lambda count=count: bench.claimers(count))
+            for count in sizes.claimer_counts
+        ),
+        *(
+            (
+                "claimers",
+                f"pgbench_claimers_{count}",
+                lambda count=count: bench.ceiling(clients=count, jobs=sizes.claimers_jobs),
+            )
+            for count in sizes.claimer_counts
+        ),
     ]
     if bench.pgbench is None and "ceiling" not in skip:
         print("pgbench not found: the SQL ceiling is not measured")
         skip = skip | {"ceiling"}
+    if bench.pgbench is None:
+        plan = [step for step in plan if not step[1].startswith("pgbench_")]
     if peers is not None:
         plan += peer_steps(peers, list(out["peers"]))
     plan = [step for step in plan if step[0] not in skip]

@@ -23,6 +23,8 @@ class Sizes:
     pgbench_threads: int = 2
     scrape_rows: int = 10_000_000  # finished rows under the metrics scrape
     scrapes: int = 100  # timed scrapes per run and table
+    claimers_jobs: int = 20_000  # jobs drained per run of the claimers section
+    claimer_counts: tuple[int, ...] = (1, 4, 16, 64)  # its threads, one connection each
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -37,4 +39,5 @@ class Sizes:
             naive_jobs=2_000,
             scrape_rows=1_000_000,
             scrapes=50,
+            claimers_jobs=2_000,
         )

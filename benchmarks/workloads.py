@@ -430,18 +430,50 @@ class Bench:
             "samples": [[round(t, 2), v] for t, v in samples],
         }
 
+    # -- claimers ---------------------------------------------------------------------------
+
+    def claimers(self, count: int) -> dict[str, Any]:
+        """``count`` threads claiming from one queue as a busy worker does, each batch then
+        completed, until ``claimers_jobs`` jobs (enqueued with ``enqueue_many()``) are drained;
+        every job must end done with attempts 1 (``benchmarks/claimers.py``)."""
+        from benchmarks.claimers import drain
+
+        n = self.sizes.claimers_jobs
+        self._reset(False)
+        Job.objects.enqueue_many(TASK, [{"n": i} for i in range(n)])
+        self.admin.run("ANALYZE pgjobs_job")
+        self.admin.checkpoint()
+        children = self.cpu.count() if self.cpu else 0
+        pg_before = self.server_cpu()
+        result = drain(
+            alias="default",
+            queue=conf.default_queue(),
+            jobs=n,
+            claimers=count,
+            batch=self.sizes.claim_batch,
+        )
+        if self.cpu is not None:
+            self.cpu.settle(children)  # the claimers' backends exited: reaped, counted
+        pg_after = self.server_cpu()
+        result["pg_cpu_s"] = None if pg_before is None or pg_after is None else pg_after - pg_before
+        self.admin.check_all_done(n, 0, f"claimers x{count}")
+        self._reset(False)
+        return result
+
     # -- the SQL ceiling --------------------------------------------------------------------
 
-    def ceiling(self) -> dict[str, Any]:
+    def ceiling(self, clients: int | None = None, jobs: int | None = None) -> dict[str, Any]:
         """pgbench with sql.CLAIM and sql.COMPLETE: claim ``batch`` in one transaction,
-        complete them in a second one, ``clients`` clients, ``pgbench_threads`` threads."""
+        complete them in a second one, ``clients`` clients (default ``sizes.clients``) over
+        ``jobs`` jobs (default ``sizes.ceiling_jobs``), ``pgbench_threads`` threads."""
         sizes = self.sizes
+        clients = clients or sizes.clients
         if self.pgbench is None:
             raise BenchAbort("pgbench not found")
         script = self.scratch / "claim_complete.sql"
         script.write_text(ceiling_script())
-        n = sizes.ceiling_jobs
-        per_client = -(-n // (sizes.clients * sizes.claim_batch))
+        n = jobs or sizes.ceiling_jobs
+        per_client = -(-n // (clients * sizes.claim_batch))
         self._reset(False)
         self.admin.fill(n)
         self.admin.run("ANALYZE pgjobs_job")
@@ -471,6 +503,7 @@ class Bench:
             "-D",
             "synchronous_commit="
             + (conf.worker_synchronous_commit() or self.admin.one("SHOW synchronous_commit")),
+            clients=clients,
         )
         done, bad = self.admin.conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'done' AND attempts = 1), "
@@ -482,7 +515,13 @@ class Bench:
                 "script's COMPLETE did not match its CLAIM"
             )
         self._reset(False)
-        return {"jobs": n, "done": done, "jobs_per_s": done / out["seconds"], **out}
+        return {
+            "jobs": n,
+            "clients": clients,
+            "done": done,
+            "jobs_per_s": done / out["seconds"],
+            **out,
+        }
 
     def naive(self) -> dict[str, Any]:
         """The source article's naive claim under pgbench: how many of N jobs end up done."""
@@ -512,12 +551,12 @@ class Bench:
             "seconds": out["seconds"],
         }
 
-    def _pgbench(self, *args: str) -> dict[str, Any]:
+    def _pgbench(self, *args: str, clients: int | None = None) -> dict[str, Any]:
         command = [
             str(self.pgbench),
             "-n",
             "-c",
-            str(self.sizes.clients),
+            str(clients or self.sizes.clients),
             "-j",
             str(self.sizes.pgbench_threads),
             *args,
