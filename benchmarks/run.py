@@ -34,7 +34,7 @@ from benchmarks import db, report  # noqa: E402
 from benchmarks.sizes import Sizes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss", "scrape")
+SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss", "scrape", "cores")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,6 +65,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="pre-enqueued jobs of the pgbench ceiling run (default 100,000)",
     )
     parser.add_argument(
+        "--cpu-jobs",
+        type=int,
+        help="CPU-bound jobs per run of the cores section (default 2,000; --quick 500)",
+    )
+    parser.add_argument(
         "--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}"
     )
     parser.add_argument(
@@ -84,7 +89,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def sizes_from(args: argparse.Namespace) -> Sizes:
     sizes = Sizes.quick() if args.quick else Sizes()
-    for name in ("runs", "jobs", "history_rows", "rss_jobs", "ceiling_jobs", "scrape_rows"):
+    for name in (
+        "runs",
+        "jobs",
+        "history_rows",
+        "rss_jobs",
+        "ceiling_jobs",
+        "scrape_rows",
+        "cpu_jobs",
+    ):
         value = getattr(args, name)
         if value is not None:
             if value < 1:
@@ -150,7 +163,7 @@ def headline(key: str, result: dict[str, Any]) -> str:
     """One short line per finished run of a workload, printed as the suite goes."""
     if key.startswith("peer."):
         key = key.rsplit(".", 1)[1]
-    if key.startswith("w1") or key == "ceiling":
+    if key.startswith(("w1", "cores")) or key == "ceiling":
         return f"{result['jobs_per_s']:,.0f} jobs/s"
     if key.startswith("w2"):
         return f"{result['jobs_per_s']:,.0f} jobs/s"
@@ -326,6 +339,26 @@ def run_suite(
         # table and over --scrape-rows finished rows.
         ("scrape", "scrape_empty", lambda: bench.scrape(finished=False)),
         ("scrape", "scrape_full", lambda: bench.scrape(finished=True)),
+        # runjobs --processes N (docs/worker.md): a CPU-bound job and the no-op, one command
+        # at --processes 1 and 2, as many executor threads in all.
+        *(
+            (
+                "cores",
+                f"cores_{kind}_{n}x{sizes.concurrency // n}",
+                lambda n=n, task=task, jobs=jobs: bench.execute(
+                    processes=n,
+                    concurrency=sizes.concurrency // n,
+                    supervised=True,
+                    task=task,
+                    jobs=jobs,
+                ),
+            )
+            for kind, task, jobs in (
+                ("cpu", db.CRUNCH, sizes.cpu_jobs),
+                ("noop", db.TASK, sizes.jobs),
+            )
+            for n in (1, 2)
+        ),
     ]
     if bench.pgbench is None and "ceiling" not in skip:
         print("pgbench not found: the SQL ceiling is not measured")

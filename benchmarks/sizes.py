@@ -23,6 +23,7 @@ class Sizes:
     pgbench_threads: int = 2
     scrape_rows: int = 10_000_000  # finished rows under the metrics scrape
     scrapes: int = 100  # timed scrapes per run and table
+    cpu_jobs: int = 2_000  # the cores section's CPU-bound jobs (about 5 ms each)
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -37,4 +38,5 @@ class Sizes:
             naive_jobs=2_000,
             scrape_rows=1_000_000,
             scrapes=50,
+            cpu_jobs=500,
         )
