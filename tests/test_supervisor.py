@@ -12,15 +12,17 @@ import os
 import re
 import signal
 import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
 
 from django_pgjobs.models import Job
-from django_pgjobs.worker.supervisor import without_option
+from django_pgjobs.worker.supervisor import Supervisor, without_option
 from testproject.shop.models import Order
-from tests.helpers import wait_until
+from tests.helpers import DbThread, wait_until
 from tests.workers import Process, Workers, counts, query, record_pid
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -239,6 +241,72 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def run_in_thread(supervisor: Supervisor) -> DbThread:
+    thread = DbThread(supervisor.run)
+    thread.start()
+    return thread
+
+
+def test_a_supervisor_in_python_starts_a_failing_child_again_until_stopped(
+    tmp_path: Path,
+) -> None:
+    starts = tmp_path / "starts"
+    # Each start notes itself, then fails at once.
+    command = [
+        sys.executable,
+        "-c",
+        f"import sys; open({str(starts)!r}, 'a').write('x'); sys.exit(3)",
+    ]
+    supervisor = Supervisor(command, 1)
+    thread = run_in_thread(supervisor)
+    child = supervisor.children[0]
+    # Started again twice, and down again: waiting 4 s for its next start (a stop that came
+    # while it ran would end it by the signal, as cleanly as a drained worker).
+    wait_until(
+        lambda: (
+            starts.exists()
+            and len(starts.read_text()) >= 3
+            and child.process is None
+            and child.returncode == 3
+        ),
+        message="the failing child to be started again twice, and to fail again",
+    )
+
+    supervisor.stop()
+
+    # Its last exit was a failure: the supervisor says so.
+    assert thread.result() == 1
+    assert child.returncode == 3 and child.process is None
+
+
+def test_a_stop_from_python_reaches_every_child_and_none_starts_again(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    # Children that say they run, then wait for their signal (Python's default SIGTERM: an
+    # end by the signal the supervisor passed on, which counts as a clean stop).
+    command = [
+        sys.executable,
+        "-c",
+        f"import time; open({str(ready)!r}, 'a').write('x'); time.sleep(600)",
+    ]
+    supervisor = Supervisor(command, 2)
+    thread = run_in_thread(supervisor)
+    wait_until(
+        lambda: ready.exists() and len(ready.read_text()) == 2, message="two children to run"
+    )
+
+    supervisor.stop()
+
+    assert thread.result() == 0
+    assert [child.returncode for child in supervisor.children] == [0, 0]
+    assert len(ready.read_text()) == 2
+
+
+def test_burst_children_that_exit_0_end_the_supervisor() -> None:
+    supervisor = Supervisor([sys.executable, "-c", "pass"], 3, burst=True)
+    assert supervisor.run() == 0
+    assert [child.finished for child in supervisor.children] == [True] * 3
 
 
 @pytest.mark.parametrize("processes", [0, -1])

@@ -169,7 +169,11 @@ class Supervisor:
         logger.info(
             "supervisor (pid %s) stopped: %s",
             os.getpid(),
-            ", ".join(f"process {c.index} {ending(c.returncode or 0)}" for c in self.children),
+            ", ".join(
+                f"process {c.index} "
+                + ("was never started" if c.returncode is None else ending(c.returncode))
+                for c in self.children
+            ),
             extra={"action": "stop"},
         )
         return status
