@@ -267,6 +267,15 @@ def build_rows(
                 source,
                 lambda r: r["jobs_per_s"],
             )
+    for source, name in (("cores_cpu_1x8", "1 x 8"), ("cores_cpu_2x4", "2 x 4")):
+        # More than 1 only if the children ran at once, each on a core of its own.
+        add(
+            f"{source}.cores_used",
+            f"Cores: CPU-bound, --processes {name}, cores busy (worker CPU / wall)",
+            "cores",
+            source,
+            lambda r: r["worker_cpu_s"] / r["wall_s"],
+        )
     add(
         "ceiling.jobs_per_s",
         "SQL ceiling: pgbench CLAIM 10 + COMPLETE, 8 clients",

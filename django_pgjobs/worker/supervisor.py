@@ -157,14 +157,14 @@ class Supervisor:
             due = [c.restart_at for c in self.children if c.restart_at is not None]
             timeout = max(0.0, min(due) - time.monotonic()) if due else None
             try:
-                event = self._events.get(timeout=timeout)
+                event: signal.Signals | Child | None = self._events.get(timeout=timeout)
             except queue.Empty:
-                self._restart_due()
-                continue
+                event = None
             if isinstance(event, Child):
                 self._on_exit(event)
-            else:
+            elif event is not None:
                 self._on_stop_signal(event)
+            self._restart_due()
         status = 0 if all(child.returncode == 0 for child in self.children) else 1
         logger.info(
             "supervisor (pid %s) stopped: %s",
