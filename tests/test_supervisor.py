@@ -89,9 +89,14 @@ def endings(supervisor: Process, how: str) -> int:
     return len(re.findall(rf"runjobs process \d+ \(pid \d+\) {how}", supervisor.log()))
 
 
-def stopping_lines(supervisor: Process, again: bool = False) -> int:
-    """How many children logged that they began a shutdown (``again``: an exit at once)."""
-    return supervisor.log().count("SIGTERM again: exiting now" if again else "SIGTERM: stopping (")
+def stopping_lines(
+    supervisor: Process, again: bool = False, sig: signal.Signals = signal.SIGTERM
+) -> int:
+    """How many children logged that they began a shutdown on ``sig`` (``again``: an exit
+    at once)."""
+    return supervisor.log().count(
+        f"{sig.name} again: exiting now" if again else f"{sig.name}: stopping ("
+    )
 
 
 def test_two_processes_drain_the_queue_and_both_run_jobs(supervised: Workers) -> None:
@@ -194,13 +199,16 @@ def start_two_holding_jobs(supervised: Workers) -> Process:
     return supervisor
 
 
-def test_sigterm_drains_every_child_then_the_supervisor_exits_0(supervised: Workers) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_drains_every_child_then_the_supervisor_exits_0(
+    supervised: Workers, sig: signal.Signals
+) -> None:
     supervisor = start_two_holding_jobs(supervised)
 
-    supervisor.send(signal.SIGTERM)
+    supervisor.send(sig)
 
     # Each child got the signal, once: it stops claiming and waits for its running job.
-    wait_until(lambda: stopping_lines(supervisor) == 2, message="both children to stop")
+    wait_until(lambda: stopping_lines(supervisor, sig=sig) == 2, message="both children to stop")
     assert supervisor.alive
     assert all(alive(pid) for _index, pid in children(supervisor))
     assert counts() == {"running": 2, "queued": 4}
@@ -210,7 +218,7 @@ def test_sigterm_drains_every_child_then_the_supervisor_exits_0(supervised: Work
     # The running jobs finished; nothing more was claimed; no child was started again.
     assert counts() == {"done": 2, "queued": 4}
     assert len(children(supervisor)) == 2
-    assert stopping_lines(supervisor, again=True) == 0
+    assert stopping_lines(supervisor, again=True, sig=sig) == 0
     assert endings(supervisor, "exited with status 0") == 2
 
 
@@ -250,7 +258,7 @@ def run_in_thread(supervisor: Supervisor) -> DbThread:
 
 
 def test_a_supervisor_in_python_starts_a_failing_child_again_until_stopped(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     starts = tmp_path / "starts"
     # Each start notes itself, then fails at once.
@@ -279,6 +287,12 @@ def test_a_supervisor_in_python_starts_a_failing_child_again_until_stopped(
     # Its last exit was a failure: the supervisor says so.
     assert thread.result() == 1
     assert child.returncode == 3 and child.process is None
+    # Each death is logged with the child's index, pid and exit status, and the wait.
+    assert re.search(
+        r"runjobs process 0 \(pid \d+\) exited with status 3 after [\d.]+ s; the jobs it held "
+        r"come back when their leases expire; starting it again in 2 s",
+        caplog.text,
+    ), caplog.text
 
 
 def test_a_stop_from_python_reaches_every_child_and_none_starts_again(tmp_path: Path) -> None:
