@@ -21,6 +21,7 @@ BENCH_DB = "pgjobs_bench"
 HISTORY_DB = "pgjobs_bench_history"
 SCRAPE_DB = "pgjobs_bench_scrape"
 TASK = "testproject.testjobs.noop"
+CRUNCH = "benchmarks.jobs.crunch"  # the cores section's CPU-bound job
 
 
 class BenchAbort(RuntimeError):

@@ -301,6 +301,24 @@ def build_rows(
             source,
             lambda r: r["jobs_per_s"],
         )
+    for kind, what in (("cpu", "CPU-bound job (~5 ms)"), ("noop", "no-op W1")):
+        for source, name in ((f"cores_{kind}_1x8", "1 x 8"), (f"cores_{kind}_2x4", "2 x 4")):
+            add(
+                f"{source}.jobs_per_s",
+                f"Cores: {what}, --processes {name}",
+                "jobs/s",
+                source,
+                lambda r: r["jobs_per_s"],
+            )
+    for source, name in (("cores_cpu_1x8", "1 x 8"), ("cores_cpu_2x4", "2 x 4")):
+        # More than 1 only if the children ran at once, each on a core of its own.
+        add(
+            f"{source}.cores_used",
+            f"Cores: CPU-bound, --processes {name}, cores busy (worker CPU / wall)",
+            "cores",
+            source,
+            lambda r: r["worker_cpu_s"] / r["wall_s"],
+        )
     add(
         "ceiling.jobs_per_s",
         "SQL ceiling: pgbench CLAIM 10 + COMPLETE, 8 clients",
@@ -455,6 +473,16 @@ def build_targets(
             None if claim_ratio is None else claim_ratio <= 1.2,
         )
     )
+    one, two = get("cores_cpu_1x8.jobs_per_s"), get("cores_cpu_2x4.jobs_per_s")
+    scaled = None if one is None or two is None else two / one
+    targets.append(
+        Target(
+            "Cores: CPU-bound jobs, --processes 2 / 1",
+            "-" if scaled is None else f"{scaled:.2f}x ({two:,.0f} vs {one:,.0f} jobs/s)",
+            ">= 1.7x",
+            None if scaled is None else scaled >= 1.7,
+        )
+    )
     if rss is not None:
         growth = (rss["end_bytes"] - rss["quarter_bytes"]) / rss["quarter_bytes"]
         targets.append(
@@ -514,6 +542,11 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
             "pgbench claimers 64 / 16, jobs/s",
             "pgbench_claimers_64.jobs_per_s",
             "pgbench_claimers_16.jobs_per_s",
+        ),
+        (
+            "Cores: no-op, --processes 2 / 1",
+            "cores_noop_2x4.jobs_per_s",
+            "cores_noop_1x8.jobs_per_s",
         ),
     )
     for peer in sorted({key.split(".")[1] for key in med if key.startswith("peer.")}):

@@ -34,7 +34,7 @@ from benchmarks import db, report  # noqa: E402
 from benchmarks.sizes import Sizes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss", "scrape", "claimers")
+SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss", "scrape", "claimers", "cores")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -70,6 +70,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="jobs each run of the claimers section drains (default 20,000; --quick 2,000)",
     )
     parser.add_argument(
+        "--cpu-jobs",
+        type=int,
+        help="CPU-bound jobs per run of the cores section (default 2,000; --quick 500)",
+    )
+    parser.add_argument(
         "--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}"
     )
     parser.add_argument(
@@ -97,6 +102,7 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
         "ceiling_jobs",
         "scrape_rows",
         "claimers_jobs",
+        "cpu_jobs",
     ):
         value = getattr(args, name)
         if value is not None:
@@ -163,7 +169,7 @@ def headline(key: str, result: dict[str, Any]) -> str:
     """One short line per finished run of a workload, printed as the suite goes."""
     if key.startswith("peer."):
         key = key.rsplit(".", 1)[1]
-    if key.startswith("w1") or key == "ceiling" or key.startswith("pgbench_claimers"):
+    if key.startswith(("w1", "cores", "pgbench_claimers")) or key == "ceiling":
         return f"{result['jobs_per_s']:,.0f} jobs/s"
     if key.startswith("w2"):
         return f"{result['jobs_per_s']:,.0f} jobs/s"
@@ -357,6 +363,26 @@ def run_suite(
                 lambda count=count: bench.ceiling(clients=count, jobs=sizes.claimers_jobs),
             )
             for count in sizes.claimer_counts
+        ),
+        # runjobs --processes N (docs/worker.md): a CPU-bound job and the no-op, one command
+        # at --processes 1 and 2, as many executor threads in all.
+        *(
+            (
+                "cores",
+                f"cores_{kind}_{n}x{sizes.concurrency // n}",
+                lambda n=n, task=task, jobs=jobs: bench.execute(
+                    processes=n,
+                    concurrency=sizes.concurrency // n,
+                    supervised=True,
+                    task=task,
+                    jobs=jobs,
+                ),
+            )
+            for kind, task, jobs in (
+                ("cpu", db.CRUNCH, sizes.cpu_jobs),
+                ("noop", db.TASK, sizes.jobs),
+            )
+            for n in (1, 2)
         ),
     ]
     if bench.pgbench is None and "ceiling" not in skip:

@@ -25,6 +25,7 @@ class Sizes:
     scrapes: int = 100  # timed scrapes per run and table
     claimers_jobs: int = 20_000  # jobs drained per run of the claimers section
     claimer_counts: tuple[int, ...] = (1, 4, 16, 64)  # its threads, one connection each
+    cpu_jobs: int = 2_000  # the cores section's CPU-bound jobs (about 5 ms each)
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -40,4 +41,5 @@ class Sizes:
             scrape_rows=1_000_000,
             scrapes=50,
             claimers_jobs=2_000,
+            cpu_jobs=500,
         )

@@ -149,15 +149,25 @@ class Bench:
     # -- W1 ---------------------------------------------------------------------------------
 
     def execute(
-        self, *, processes: int, concurrency: int, history: bool = False, keys: int = 0
+        self,
+        *,
+        processes: int,
+        concurrency: int,
+        history: bool = False,
+        keys: int = 0,
+        supervised: bool = False,
+        task: str = TASK,
+        jobs: int | None = None,
     ) -> dict[str, Any]:
         """W1: N pre-enqueued no-op jobs, ``runjobs --burst`` in ``processes`` processes.
-        ``keys``: the jobs spread round-robin over that many lock keys (none: no lock key)."""
-        n = self.sizes.jobs
+        ``keys``: the jobs spread round-robin over that many lock keys (none: no lock key).
+        ``supervised``: one ``runjobs --burst --processes N`` instead of N commands (the cores
+        section); ``task`` and ``jobs`` replace the no-op and ``--jobs``."""
+        n = self.sizes.jobs if jobs is None else jobs
         admin, alias, url = self._target(history)
         floor = self._reset(history)
         Job.objects.db_manager(alias).enqueue_many(
-            TASK,
+            task,
             [{"n": i} for i in range(n)],
             lock_key=(lambda payload: f"key-{payload['n'] % keys}") if keys else None,
         )
@@ -166,9 +176,12 @@ class Bench:
         children = self.cpu.count() if self.cpu else 0
         pg_before = self.server_cpu()
         started = time.monotonic()
-        procs = [
-            self.spawn(url, "--burst", "--concurrency", str(concurrency)) for _ in range(processes)
-        ]
+        burst = ("--burst", "--concurrency", str(concurrency))
+        procs = (
+            [self.spawn(url, *burst, "--processes", str(processes))]
+            if supervised
+            else [self.spawn(url, *burst) for _ in range(processes)]
+        )
         results = self.reap(procs)
         wall = time.monotonic() - started
         if self.cpu is not None:
@@ -185,6 +198,8 @@ class Bench:
             "processes": processes,
             "concurrency": concurrency,
             "keys": keys,
+            "supervised": supervised,
+            "task": task,
             "span_s": span,
             "jobs_per_s": n / span if span else None,
             "wall_s": wall,

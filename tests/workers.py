@@ -11,10 +11,10 @@ itself ``pgjobs-listener``.
 The module also defines jobs the testproject lacks (one that writes through the ORM and can
 then raise, one that reads through it, one that calls ``sys.exit``, one whose error text cannot
 be encoded, one retried after a second, two that end on the test's signal rather than a
-clock's, one that runs until it is cancelled, one that records when it ran and one that waits
-until its queue has N running); a worker started with ``test_jobs=True``
-imports this module so it can run them, and ``tests.periodic_jobs`` (whose schedules are
-declared only when a test asks for them).
+clock's, one that runs until it is cancelled, one that records when it ran, one that waits
+until its queue has N running, and one that records which process ran it); a worker started
+with ``test_jobs=True`` imports this module so it can run them, and ``tests.periodic_jobs``
+(whose schedules are declared only when a test asks for them).
 """
 
 from __future__ import annotations
@@ -520,3 +520,38 @@ def stuck_with_an_exiting_backoff(email: str) -> None:
     """``stuck_until_order``, with a backoff callable that raises SystemExit: when the job
     times out, that callable runs on the worker's completer thread."""
     stuck_until_order.func(email=email)
+
+
+@job
+def record_pid(together: int = 0, go: str = "") -> None:
+    """Note that this job started (an Order ``started-<id>@example.com``); with ``together``,
+    wait until that many jobs of the same ``together`` are running (or done), so that each
+    of as many workers holds one; with ``go``, run until the test creates an Order for
+    ``go`` (return early, recording nothing more, if the lease is lost); then record which
+    process ran it, an Order ``ran-<id>-<pid>@example.com`` whose total is the attempt."""
+    from django_pgjobs.models import Job
+    from testproject.shop.models import Order
+
+    ctx = current_job()
+    assert ctx is not None
+    Order.objects.create(email=f"started-{ctx.id}@example.com", total_cents=ctx.attempts)
+    if together:
+        wait_until(
+            lambda: (
+                Job.objects.filter(
+                    payload__together=together, status__in=["running", "done"]
+                ).count()
+                >= together
+            ),
+            interval=0.05,
+            message=f"{together} jobs running at once",
+        )
+    if go:
+        wait_until(
+            lambda: ctx.lost or Order.objects.filter(email=go).exists(),
+            interval=0.05,
+            message=f"an order for {go}",
+        )
+        if ctx.lost:
+            return
+    Order.objects.create(email=f"ran-{ctx.id}-{os.getpid()}@example.com", total_cents=ctx.attempts)

@@ -1,4 +1,5 @@
-"""``manage.py runjobs``: a thin shell over ``django_pgjobs.worker.Worker``."""
+"""``manage.py runjobs``: a thin shell over ``django_pgjobs.worker.Worker`` (and, with
+``--processes N``, over ``django_pgjobs.worker.supervisor.Supervisor``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from django_pgjobs import conf
+from django_pgjobs import conf, validation
 from django_pgjobs.exceptions import InvalidJobOptions, MetricsUnavailable
 from django_pgjobs.worker import Worker
+from django_pgjobs.worker.supervisor import Supervisor, child_command
 from django_pgjobs.worker.worker import EXIT_STUCK
 
 
@@ -27,6 +29,15 @@ class Command(BaseCommand):
             "own; a bare NAME shares --concurrency.",
         )
         parser.add_argument("--concurrency", type=int, help="Executor threads.")
+        parser.add_argument(
+            "--processes",
+            type=int,
+            default=1,
+            metavar="N",
+            help="Worker processes, each with its own --concurrency executors and connections, "
+            "under a supervisor that starts again any that dies (default 1: this process is "
+            "the worker).",
+        )
         parser.add_argument("--batch-size", type=int, help="Most jobs one claim takes.")
         parser.add_argument("--lease", type=float, metavar="SECONDS", help="Lease per claim.")
         parser.add_argument(
@@ -95,6 +106,15 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
+            processes = validation.positive_int("processes", options["processes"])
+            if processes > 1 and options["metrics_port"] is not None:
+                raise CommandError(
+                    f"--metrics-port cannot serve {processes} processes: each would bind the "
+                    "one port. Run that many runjobs processes, each with a --metrics-port of "
+                    "its own, or scrape the queue metrics from django_pgjobs.views.metrics."
+                )
+            # Built even for --processes N: its checks of the options stop a bad start here,
+            # rather than in N children started again and again.
             worker = Worker(
                 options["queues"],
                 concurrency=options["concurrency"],
@@ -116,6 +136,9 @@ class Command(BaseCommand):
             )
         except (InvalidJobOptions, MetricsUnavailable) as exc:
             raise CommandError(str(exc)) from exc
+        if processes > 1:
+            self._supervise(processes, options)
+            return
         worker.install_signal_handlers()
         try:
             stats = worker.run()
@@ -127,3 +150,17 @@ class Command(BaseCommand):
             # supervisor restarting on failure starts a clean process.
             self.stdout.flush()
             raise SystemExit(EXIT_STUCK)
+
+    def _supervise(self, processes: int, options: dict[str, Any]) -> None:
+        command = child_command(self.__module__.rpartition(".")[2])
+        if command is None:
+            raise CommandError(
+                "--processes starts this command line again in each process, and "
+                "call_command() has none: run manage.py runjobs --processes N, or a "
+                "django_pgjobs.worker.supervisor.Supervisor with a command line."
+            )
+        supervisor = Supervisor(command, processes, burst=options["burst"])
+        supervisor.install_signal_handlers()
+        status = supervisor.run()
+        if status:
+            raise SystemExit(status)
