@@ -10,6 +10,7 @@ The ``*_many`` forms do the same for a batch in one statement.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,36 @@ def _timestamp(text: str) -> datetime:
     if not django_settings.USE_TZ:
         return timezone.make_naive(value)
     return value.astimezone(dt_timezone.utc)
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """A model's concrete columns in the order ``Model.from_db`` takes them (Django's
+    positional fast path), where each one is, and how each gets its default."""
+
+    names: list[str]
+    positions: dict[str, int]
+    defaults: list[Callable[[], Any]]
+
+
+@functools.cache
+def _columns(model: type[models.Model]) -> _Columns:
+    fields = model._meta.concrete_fields
+    return _Columns(
+        [field.attname for field in fields],
+        {field.attname: i for i, field in enumerate(fields)},
+        [field.get_default for field in fields],
+    )
+
+
+def _loaded(model: type[Job], alias: str, known: Mapping[str, Any]) -> Job:
+    """The ``Job`` as Django would load its row: ``known`` columns, the others' defaults
+    (NULL, 0, an empty list: what the INSERT left them)."""
+    columns = _columns(model)
+    values = [default() for default in columns.defaults]
+    for name, value in known.items():
+        values[columns.positions[name]] = value
+    return model.from_db(alias, columns.names, values)
 
 
 def _fence(job: ClaimedJob | int, attempts: int | None, claimed_at: datetime | None) -> Claim:
@@ -264,14 +295,7 @@ class JobManager(models.Manager["Job"]):
             "lock_key": lock,
             **plan.fields,
         }
-        # Every column in order, as a row read back (from_db): Django's positional fast path.
-        # The columns enqueue() does not set hold their defaults (NULL, or an empty list).
-        columns = self.model._meta.concrete_fields
-        values = [
-            known[field.attname] if field.attname in known else field.get_default()
-            for field in columns
-        ]
-        job = self.model.from_db(self.db_alias, [field.attname for field in columns], values)
+        job = _loaded(self.model, self.db_alias, known)
         job.created = True
         self._enqueued(plan, job=job)
         return job
