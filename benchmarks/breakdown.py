@@ -87,7 +87,11 @@ def main() -> None:
         )
 
     plan = planned(0)
-    params = plan.params | {"payload": plan.texts[0], "lock_key": None, "unique_key": None}
+    params = plan.params | {
+        "payload": validation.encode(plan.payloads[0]),
+        "lock_key": None,
+        "unique_key": None,
+    }
     quiet = params | {"notify_channel": None}
 
     def bare(i: int) -> None:

@@ -141,7 +141,8 @@ class _Plan:
     connection: BaseDatabaseWrapper
     fields: dict[str, Any]
     params: dict[str, Any]
-    texts: list[str]
+    # The payloads, checked (validation.checked_payload), encoded as they are sent.
+    payloads: list[dict[str, Any]]
     # One key per payload (None: that payload has none), or None when no payload has one.
     keys: list[str | None] | None
     # The lock keys, the same way.
@@ -267,7 +268,8 @@ class JobManager(models.Manager["Job"]):
         )
         key = plan.keys[0] if plan.keys else None
         lock = plan.locks[0] if plan.locks else None
-        params = plan.params | {"payload": plan.texts[0], "unique_key": key, "lock_key": lock}
+        text = validation.encode(plan.payloads[0])
+        params = plan.params | {"payload": text, "unique_key": key, "lock_key": lock}
         statement = sql.ENQUEUE_ONE if key is None else sql.ENQUEUE_ONE_UNIQUE
         rows = sql.run(plan.connection, statement, params)
         tries = 1
@@ -344,10 +346,10 @@ class JobManager(models.Manager["Job"]):
             unique_while=unique_while,
             lock_key=lock_key,
         )
-        if not plan.texts:
+        if not plan.payloads:
             return Enqueued([], [])
         if not plan.keys:
-            rows = self._insert_many(plan, sql.ENQUEUE, list(range(len(plan.texts))), None)
+            rows = self._insert_many(plan, sql.ENQUEUE, list(range(len(plan.payloads))), None)
             plan.notify(self.db_alias)
             self._enqueued(plan, ids=[row[0] for row in rows])
             return Enqueued([row[0] for row in rows], [True] * len(rows))
@@ -475,7 +477,7 @@ class JobManager(models.Manager["Job"]):
             "timeout": func.timeout if timeout is None else validation.timeout(timeout),
         }
         when, wait = validation.schedule(run_at, delay)
-        texts = [validation.payload(p) for p in payloads]
+        checked = [validation.checked_payload(p) for p in payloads]
         keys = _unique_keys(func, payloads, unique_key, unique_while)
         locks = _keys(func, payloads, lock_key, "lock_key")
         mode = validation.unique_while(func.unique_while if unique_while is None else unique_while)
@@ -493,7 +495,7 @@ class JobManager(models.Manager["Job"]):
             "notify_channel": conf.channel() if here else None,
             "unique_while": mode if keys else None,
         }
-        return _Plan(connection, fields, params, texts, keys, locks, here, not func.stores_result)
+        return _Plan(connection, fields, params, checked, keys, locks, here, not func.stores_result)
 
     def _insert_many(
         self,
@@ -504,7 +506,7 @@ class JobManager(models.Manager["Job"]):
     ) -> list[tuple[Any, ...]]:
         """Run a bulk INSERT of the payloads at ``indexes``, with their unique ``keys``; its
         rows are (id[, unique_key]), skipped keys missing."""
-        payloads = "[" + ",".join(plan.texts[i] for i in indexes) + "]"
+        payloads = validation.encode([plan.payloads[i] for i in indexes])
         locks = None if plan.locks is None else [plan.locks[i] for i in indexes]
         params = {"payloads": payloads, "unique_keys": keys, "lock_keys": locks}
         return sql.run(plan.connection, statement, plan.params | params)
