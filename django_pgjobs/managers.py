@@ -72,20 +72,28 @@ def _timestamp(text: str) -> datetime:
 @dataclass(frozen=True, slots=True)
 class _Columns:
     """A model's concrete columns in the order ``Model.from_db`` takes them (Django's
-    positional fast path), where each one is, and how each gets its default."""
+    positional fast path), where each one is, and their defaults: the constant ones once,
+    the callable ones (an empty list) to call for each instance."""
 
     names: list[str]
     positions: dict[str, int]
-    defaults: list[Callable[[], Any]]
+    constants: list[Any]
+    factories: list[tuple[int, Callable[[], Any]]]
 
 
 @functools.cache
 def _columns(model: type[models.Model]) -> _Columns:
     fields = model._meta.concrete_fields
+    factories = [
+        (i, field.default)
+        for i, field in enumerate(fields)
+        if field.has_default() and callable(field.default)
+    ]
     return _Columns(
         [field.attname for field in fields],
         {field.attname: i for i, field in enumerate(fields)},
-        [field.get_default for field in fields],
+        [None if callable(field.default) else field.get_default() for field in fields],
+        factories,
     )
 
 
@@ -93,7 +101,9 @@ def _loaded(model: type[Job], alias: str, known: Mapping[str, Any]) -> Job:
     """The ``Job`` as Django would load its row: ``known`` columns, the others' defaults
     (NULL, 0, an empty list: what the INSERT left them)."""
     columns = _columns(model)
-    values = [default() for default in columns.defaults]
+    values = columns.constants.copy()
+    for i, factory in columns.factories:
+        values[i] = factory()
     for name, value in known.items():
         values[columns.positions[name]] = value
     return model.from_db(alias, columns.names, values)
