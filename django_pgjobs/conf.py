@@ -1,10 +1,12 @@
 """The only reader of settings.
 
 Everything lives in one dict, ``settings.PGJOBS``; each key has a default and is read on
-access, so ``override_settings`` works. Each key has one validator (``validation.SETTINGS``):
-the typed readers below apply it, so a bad value raises ``InvalidJobOptions`` naming the
-setting wherever it is used, and ``checks.py`` applies the same validators at start-up. The
-reference page ``docs/reference/settings.md`` documents each one.
+access. Each key has one validator (``validation.SETTINGS``): the typed readers below apply
+it, so a bad value raises ``InvalidJobOptions`` naming the setting wherever it is used, and
+``checks.py`` applies the same validators at start-up. A value that passed is kept until
+Django's ``setting_changed`` signal reports a change of ``PGJOBS`` (``override_settings`` and
+pytest-django's ``settings`` send it), so an enqueue does not validate the same settings
+again on every call. The reference page ``docs/reference/settings.md`` documents each one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.signals import setting_changed
 
 from django_pgjobs import validation
 
@@ -94,9 +97,29 @@ def get(name: str) -> Any:
     return _user_settings().get(name, DEFAULTS[name])
 
 
+# The values value() has validated, by setting name; replaced by an empty dict when PGJOBS
+# changes (a read that started before the change stores into the dict it started with, which
+# is then unused). A bad value is never kept: it raises again at every read.
+_validated: dict[str, Any] = {}
+
+
 def value(name: str) -> Any:
     """One setting's value, validated: ``InvalidJobOptions`` names the setting if it is bad."""
-    return validation.SETTINGS[name](get(name))
+    validated = _validated
+    try:
+        return validated[name]
+    except KeyError:
+        checked = validated[name] = validation.SETTINGS[name](get(name))
+        return checked
+
+
+def _forget_validated(*, setting: str, **kwargs: Any) -> None:
+    global _validated
+    if setting == "PGJOBS":
+        _validated = {}
+
+
+setting_changed.connect(_forget_validated, dispatch_uid="django_pgjobs.conf")
 
 
 def database() -> str:

@@ -10,6 +10,7 @@ The ``*_many`` forms do the same for a batch in one statement.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,46 @@ def _timestamp(text: str) -> datetime:
     return value.astimezone(dt_timezone.utc)
 
 
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """A model's concrete columns in the order ``Model.from_db`` takes them (Django's
+    positional fast path), where each one is, and their defaults: the constant ones once,
+    the callable ones (an empty list) to call for each instance."""
+
+    names: list[str]
+    positions: dict[str, int]
+    constants: list[Any]
+    factories: list[tuple[int, Callable[[], Any]]]
+
+
+@functools.cache
+def _columns(model: type[models.Model]) -> _Columns:
+    fields = model._meta.concrete_fields
+    factories = [
+        (i, field.default)
+        for i, field in enumerate(fields)
+        if field.has_default() and callable(field.default)
+    ]
+    return _Columns(
+        [field.attname for field in fields],
+        {field.attname: i for i, field in enumerate(fields)},
+        [None if callable(field.default) else field.get_default() for field in fields],
+        factories,
+    )
+
+
+def _loaded(model: type[Job], alias: str, known: Mapping[str, Any]) -> Job:
+    """The ``Job`` as Django would load its row: ``known`` columns, the others' defaults
+    (NULL, 0, an empty list: what the INSERT left them)."""
+    columns = _columns(model)
+    values = columns.constants.copy()
+    for i, factory in columns.factories:
+        values[i] = factory()
+    for name, value in known.items():
+        values[columns.positions[name]] = value
+    return model.from_db(alias, columns.names, values)
+
+
 def _fence(job: ClaimedJob | int, attempts: int | None, claimed_at: datetime | None) -> Claim:
     """The claim a single-job verb fences on: a ``ClaimedJob``, or an id with its attempts."""
     if isinstance(job, ClaimedJob):
@@ -110,7 +151,8 @@ class _Plan:
     connection: BaseDatabaseWrapper
     fields: dict[str, Any]
     params: dict[str, Any]
-    texts: list[str]
+    # The payloads, checked (validation.checked_payload), encoded as they are sent.
+    payloads: list[dict[str, Any]]
     # One key per payload (None: that payload has none), or None when no payload has one.
     keys: list[str | None] | None
     # The lock keys, the same way.
@@ -236,7 +278,8 @@ class JobManager(models.Manager["Job"]):
         )
         key = plan.keys[0] if plan.keys else None
         lock = plan.locks[0] if plan.locks else None
-        params = plan.params | {"payload": plan.texts[0], "unique_key": key, "lock_key": lock}
+        text = validation.encode(plan.payloads[0])
+        params = plan.params | {"payload": text, "unique_key": key, "lock_key": lock}
         statement = sql.ENQUEUE_ONE if key is None else sql.ENQUEUE_ONE_UNIQUE
         rows = sql.run(plan.connection, statement, params)
         tries = 1
@@ -264,14 +307,7 @@ class JobManager(models.Manager["Job"]):
             "lock_key": lock,
             **plan.fields,
         }
-        # Every column in order, as a row read back (from_db): Django's positional fast path.
-        # The columns enqueue() does not set hold their defaults (NULL, or an empty list).
-        columns = self.model._meta.concrete_fields
-        values = [
-            known[field.attname] if field.attname in known else field.get_default()
-            for field in columns
-        ]
-        job = self.model.from_db(self.db_alias, [field.attname for field in columns], values)
+        job = _loaded(self.model, self.db_alias, known)
         job.created = True
         self._enqueued(plan, job=job)
         return job
@@ -320,10 +356,10 @@ class JobManager(models.Manager["Job"]):
             unique_while=unique_while,
             lock_key=lock_key,
         )
-        if not plan.texts:
+        if not plan.payloads:
             return Enqueued([], [])
         if not plan.keys:
-            rows = self._insert_many(plan, sql.ENQUEUE, list(range(len(plan.texts))), None)
+            rows = self._insert_many(plan, sql.ENQUEUE, list(range(len(plan.payloads))), None)
             plan.notify(self.db_alias)
             self._enqueued(plan, ids=[row[0] for row in rows])
             return Enqueued([row[0] for row in rows], [True] * len(rows))
@@ -451,7 +487,7 @@ class JobManager(models.Manager["Job"]):
             "timeout": func.timeout if timeout is None else validation.timeout(timeout),
         }
         when, wait = validation.schedule(run_at, delay)
-        texts = [validation.payload(p) for p in payloads]
+        checked = [validation.checked_payload(p) for p in payloads]
         keys = _unique_keys(func, payloads, unique_key, unique_while)
         locks = _keys(func, payloads, lock_key, "lock_key")
         mode = validation.unique_while(func.unique_while if unique_while is None else unique_while)
@@ -469,7 +505,7 @@ class JobManager(models.Manager["Job"]):
             "notify_channel": conf.channel() if here else None,
             "unique_while": mode if keys else None,
         }
-        return _Plan(connection, fields, params, texts, keys, locks, here, not func.stores_result)
+        return _Plan(connection, fields, params, checked, keys, locks, here, not func.stores_result)
 
     def _insert_many(
         self,
@@ -480,7 +516,7 @@ class JobManager(models.Manager["Job"]):
     ) -> list[tuple[Any, ...]]:
         """Run a bulk INSERT of the payloads at ``indexes``, with their unique ``keys``; its
         rows are (id[, unique_key]), skipped keys missing."""
-        payloads = "[" + ",".join(plan.texts[i] for i in indexes) + "]"
+        payloads = validation.encode([plan.payloads[i] for i in indexes])
         locks = None if plan.locks is None else [plan.locks[i] for i in indexes]
         params = {"payloads": payloads, "unique_keys": keys, "lock_keys": locks}
         return sql.run(plan.connection, statement, plan.params | params)

@@ -23,6 +23,7 @@ from psycopg.errors import (
     InvalidSqlStatementName,
     ProtocolViolation,
 )
+from psycopg.pq import ExecStatus
 from psycopg.sql import SQL, Composed, Identifier
 
 if TYPE_CHECKING:
@@ -797,10 +798,18 @@ def run(
                 "support (PgBouncer before 1.21, or max_prepared_statements = 0). Set "
                 "PGJOBS['PREPARE'] = False."
             ) from exc
-        return result.fetchall() if result.description else []
+        return result.fetchall() if _has_rows(result) else []
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
-        return list(cursor.fetchall()) if cursor.description else []
+        return cursor.fetchall() if _has_rows(cursor.cursor) else []
+
+
+def _has_rows(cursor: psycopg.Cursor[Any]) -> bool:
+    """Whether the statement returned rows (even none). Read from the result's status:
+    ``cursor.description`` says the same but builds an object per column, a cost that showed
+    in every enqueue."""
+    result = cursor.pgresult
+    return result is not None and result.status == ExecStatus.TUPLES_OK
 
 
 def records(

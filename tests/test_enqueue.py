@@ -100,6 +100,54 @@ class EnqueueTests(TestCase):
         stored = job_row(explicit.id)
         assert (stored["queue"], stored["priority"], stored["max_attempts"]) == ("other", -5, 1)
 
+    def test_settings_changed_after_an_enqueue_are_used_by_the_next_one(self) -> None:
+        # The first enqueue keeps the validated settings; override_settings must replace them
+        # on the way in and on the way out.
+        assert job_row(noop.enqueue().id)["queue"] == "default"
+        with override_settings(PGJOBS={"QUEUE": "changed", "MAX_ATTEMPTS": 2}):
+            inside = job_row(noop.enqueue().id)
+        after = job_row(noop.enqueue().id)
+        assert (inside["queue"], inside["max_attempts"]) == ("changed", 2)
+        assert (after["queue"], after["max_attempts"]) == ("default", 5)
+
+    def test_a_bad_setting_is_refused_at_every_enqueue(self) -> None:
+        with override_settings(PGJOBS={"MAX_ATTEMPTS": 0}):
+            for _ in range(2):
+                with pytest.raises(InvalidJobOptions, match=r"PGJOBS\['MAX_ATTEMPTS'\]"):
+                    noop.enqueue()
+        assert job_row(noop.enqueue().id)["max_attempts"] == 5
+        assert Job.objects.count() == 1
+
+    def test_the_returned_job_is_a_saved_model_instance(self) -> None:
+        created = Job.objects.enqueue(noop, {"n": 1})
+        assert created._state.adding is False
+        assert created._state.db == "default"
+        # The columns enqueue() does not write hold what the row holds, fresh per job.
+        stored = Job.objects.get(id=created.id)
+        for field in Job._meta.concrete_fields:
+            assert getattr(created, field.attname) == getattr(stored, field.attname), field.name
+        other = Job.objects.enqueue(noop)
+        assert created.worker_ids is not other.worker_ids
+        created.priority = 9
+        created.save(update_fields=["priority"])
+        assert job_row(created.id)["priority"] == 9
+
+    def test_execute_wrappers_see_the_enqueue_statements(self) -> None:
+        seen: list[str] = []
+
+        def observe(
+            execute: Callable[..., Any], statement: str, params: Any, many: bool, context: Any
+        ) -> Any:
+            seen.append(statement)
+            return execute(statement, params, many, context)
+
+        with connection.execute_wrapper(observe):
+            Job.objects.enqueue(noop, {"n": 1})
+            Job.objects.enqueue_many(noop, [{"n": 2}, {"n": 3}])
+        assert len(seen) == 2
+        assert all(statement.lstrip().startswith("INSERT INTO pgjobs_job") for statement in seen)
+        assert Job.objects.count() == 3
+
     def test_priority_orders_the_claim_then_run_at(self) -> None:
         low = Job.objects.enqueue(noop, priority=-100, run_at=timezone.now() - timedelta(hours=1))
         high_later = Job.objects.enqueue(noop, priority=100, run_at=timezone.now() - timedelta(1))
