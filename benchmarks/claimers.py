@@ -7,11 +7,14 @@ the fenced ``sql.COMPLETE``, until every job of the queue has been claimed. Pyth
 released while a thread waits for the server, so the threads wait on the database side by
 side; what they cost in Python is the same per claim for every count.
 
-A claim is *short* when it returned fewer rows than it asked for while at least that many
-rows were not yet claimed by any claim that had returned: the rows it missed were locked by
-claims in flight (``SKIP LOCKED`` passed them over). An *empty* claim is a short one with no
-row at all. While the claimers run, a sampler reads ``pg_stat_activity`` and ``pg_locks``
-every ``SAMPLE_GAP`` seconds: what the claimers' backends were waiting on.
+A claim is *short* when it returned fewer rows than it asked for while every claimer could
+have a whole batch in flight and as many rows would still be left (at least claimers x batch
+not yet claimed by any claim that had returned): the rows it missed were locked by claims in
+flight (``SKIP LOCKED`` passed them over). Near the end of the drain, fewer rows remain than
+the claims in flight hold, and a claim that comes back short or empty there says nothing
+about contention: those are not counted. An *empty* claim is a short one with no row at all.
+While the claimers run, a sampler reads ``pg_stat_activity`` and ``pg_locks`` every
+``SAMPLE_GAP`` seconds: what the claimers' backends were waiting on.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ def drain(
                 got = store.claim(queue, batch, lease, f"{worker_id}:c{me.number}", suspects=False)
                 me.latencies.append((time.perf_counter() - t0) * 1000)
                 tally.add(len(got))
-                if len(got) < min(batch, before):
+                if before >= claimers * batch and len(got) < batch:
                     me.short += 1
                     me.empty += not got
                 if not got:

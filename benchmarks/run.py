@@ -396,7 +396,7 @@ def run_suite(
     if "ceiling" not in skip:
         from benchmarks.workloads import ceiling_script
 
-        out["ceiling_script"] = ceiling_script()
+        out["ceiling_script"] = ceiling_script(sizes.claim_batch)
     runs: dict[str, list[dict[str, Any]]] = out["runs"]
     for number in range(1, sizes.runs + 1):
         print(f"\nrun {number}/{sizes.runs}", flush=True)

@@ -486,7 +486,7 @@ class Bench:
         if self.pgbench is None:
             raise BenchAbort("pgbench not found")
         script = self.scratch / "claim_complete.sql"
-        script.write_text(ceiling_script())
+        script.write_text(ceiling_script(sizes.claim_batch))
         n = jobs or sizes.ceiling_jobs
         per_client = -(-n // (clients * sizes.claim_batch))
         self._reset(False)
@@ -502,8 +502,6 @@ class Bench:
             str(script),
             "-D",
             "queue=default",
-            "-D",
-            f"limit={sizes.claim_batch}",
             "-D",
             "lease=300 seconds",
             "-D",
@@ -680,8 +678,9 @@ class Bench:
         return self.history_floor
 
 
-def ceiling_script() -> str:
-    """A pgbench script of the project's own CLAIM and COMPLETE, read at run time.
+def ceiling_script(batch: int) -> str:
+    """A pgbench script of the project's own CLAIM and COMPLETE, read at run time: the claim
+    of ``batch`` as the worker sends it (``sql.limited``: the LIMIT written in).
 
     The claim runs inside a CTE that returns the claimed ids, attempts and claim times as
     one JSON array (``\\gset`` takes one row); the complete takes it back as its ``claims``.
@@ -704,7 +703,7 @@ def ceiling_script() -> str:
             "sql.CLAIM/COMPLETE take parameters this script does not know: "
             f"{sorted((claim_params - known_claim) | (complete_params - known_complete))}"
         )
-    claim = re.sub(r"%\((\w+)\)s", r":\1", sql.CLAIM.strip().rstrip(";"))
+    claim = re.sub(r"%\((\w+)\)s", r":\1", sql.limited(sql.CLAIM, batch).strip().rstrip(";"))
     complete = re.sub(r"%\((\w+)\)s", r":\1", sql.COMPLETE.strip().rstrip(";"))
     return (
         f"WITH claimed AS (\n{claim}\n)\n"

@@ -187,8 +187,8 @@ _CLAIM_UPDATE_NOW: LiteralString = (
 # `suspects` false (a job whose last attempt ended with its worker dead runs only on an idle
 # one, alone); `tasks` is the worker's registry (NULL: any task), so during a rolling deploy
 # an old worker leaves a new task's jobs queued for the new workers. The names are read in an
-# InitPlan: the planner, which plans each claim afresh, then does not estimate the
-# selectivity of every name against the column's statistics each time.
+# InitPlan: the planner then does not estimate the selectivity of every name against the
+# column's statistics whenever it plans a claim.
 _CLAIMABLE_TASKS: LiteralString = """
     AND task = ANY(coalesce((SELECT %(tasks)s::text[]), ARRAY[task]))"""
 _CLAIMABLE: LiteralString = (
@@ -758,6 +758,13 @@ SELECT set_config('pgjobs.test_clock', ("""
 Connection: TypeAlias = "BaseDatabaseWrapper | psycopg.Connection[Any]"
 
 
+# The claim sizes limited() writes in. Two claim kinds of up to this many sizes each stay,
+# beside the worker's other statements, within the 100 prepared statements psycopg keeps per
+# connection (``prepared_max``): past it, psycopg would drop and prepare them again in turn,
+# and no statement would live long enough for its generic plan.
+WRITTEN_LIMITS = 32
+
+
 @functools.cache
 def limited(statement: LiteralString, limit: int) -> LiteralString:
     """``statement`` (``CLAIM`` or ``CLAIM_IDLE``) with its ``LIMIT %(limit)s`` written in as
@@ -769,14 +776,16 @@ def limited(statement: LiteralString, limit: int) -> LiteralString:
     plan guess that a tenth of the table is claimed (a hash join over a sequential scan), so
     that never happened: every claim was planned afresh, a third of its server time. With
     the number in the text the generic plan is the custom one, and PostgreSQL keeps it from
-    the sixth claim of each size on (psycopg prepares one statement per size, at most
-    ``batch_size`` of them per claim kind). The number is an ``int``: nothing but digits is
-    ever written in.
+    the sixth claim of each size on (psycopg prepares one statement per size). A claim of
+    more than ``WRITTEN_LIMITS`` jobs keeps its bound LIMIT, planned afresh each time. The
+    number is an ``int``: nothing but digits is ever written in.
     """
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"a claim's limit must be a positive integer, not {limit!r}")
     if statement.count("LIMIT %(limit)s") != 1:
         raise ValueError("limited() writes in the one LIMIT %(limit)s of a claim statement")
+    if limit > WRITTEN_LIMITS:
+        return statement
     return statement.replace("%(limit)s", str(limit))
 
 

@@ -142,6 +142,9 @@ class ClaimPlanCacheTests(TransactionTestCase):
     def test_limited_writes_in_only_a_positive_integer(self) -> None:
         assert "LIMIT 7\n" in sql.limited(sql.CLAIM, 7)
         assert "LIMIT 7 - 1\n" in sql.limited(sql.CLAIM_IDLE, 7)
+        # Past the sizes that fit psycopg's prepared statements, the LIMIT stays bound.
+        assert f"LIMIT {sql.WRITTEN_LIMITS}\n" in sql.limited(sql.CLAIM, sql.WRITTEN_LIMITS)
+        assert sql.limited(sql.CLAIM, sql.WRITTEN_LIMITS + 1) == sql.CLAIM
         for bad in (0, -1, True, 2.0, "3"):
             with self.subTest(limit=bad), pytest.raises(ValueError, match="positive integer"):
                 sql.limited(sql.CLAIM, bad)  # type: ignore[arg-type]

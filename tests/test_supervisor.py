@@ -323,6 +323,76 @@ def test_burst_children_that_exit_0_end_the_supervisor() -> None:
     assert [child.finished for child in supervisor.children] == [True] * 3
 
 
+def test_a_burst_whose_child_died_ends_with_status_1(tmp_path: Path) -> None:
+    # The first start is killed (as by the OOM killer), the next exits 0, as the replacement
+    # of a burst child does when the dead one's jobs are still leased: the run did not run
+    # every job, and must not report success.
+    starts = tmp_path / "starts"
+    script = (
+        "import os, signal\n"
+        f"path = {str(starts)!r}\n"
+        "first = not os.path.exists(path)\n"
+        "open(path, 'a').write('x')\n"
+        "if first:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    supervisor = Supervisor([sys.executable, "-c", script], 1, burst=True)
+
+    assert supervisor.run() == 1
+    assert starts.read_text() == "xx"
+    assert supervisor.deaths == 1
+    assert supervisor.children[0].returncode == 0
+
+
+def test_a_hangup_drains_the_children_instead_of_orphaning_them(supervised: Workers) -> None:
+    # The children run in sessions of their own: a supervisor killed by SIGHUP (a closed
+    # terminal or ssh session) would leave them claiming with no one to stop them.
+    supervisor = start_two_holding_jobs(supervised)
+    pids = [pid for _index, pid in children(supervisor)]
+
+    supervisor.send(signal.SIGHUP)
+
+    # Passed on as a first SIGTERM: both children drain.
+    wait_until(
+        lambda: stopping_lines(supervisor, sig=signal.SIGTERM) == 2,
+        message="both children to stop",
+    )
+    assert supervisor.alive
+    Order.objects.create(email=GO, total_cents=1)
+    assert supervisor.wait() == 0, supervisor.tail()
+    wait_until(lambda: not any(alive(pid) for pid in pids), message="both children to exit")
+    assert counts() == {"done": 2, "queued": 4}
+
+
+def test_a_supervisor_leaving_early_stops_its_children(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    command = [
+        sys.executable,
+        "-c",
+        f"import time; open({str(ready)!r}, 'a').write('x'); time.sleep(600)",
+    ]
+    supervisor = Supervisor(command, 2)
+
+    def failing_stop(sig: signal.Signals) -> None:
+        # An error of the supervisor's own, before it passed the stop on.
+        raise RuntimeError("the supervisor's own bug")
+
+    supervisor._on_stop_signal = failing_stop  # type: ignore[method-assign]
+    thread = DbThread(supervisor.run)
+    thread.start()
+    wait_until(
+        lambda: ready.exists() and len(ready.read_text()) == 2, message="two children to run"
+    )
+    pids = [c.process.pid for c in supervisor.children if c.process is not None]
+    assert len(pids) == 2
+
+    supervisor.stop()
+
+    with pytest.raises(RuntimeError, match="own bug"):
+        thread.result()
+    wait_until(lambda: not any(alive(pid) for pid in pids), message="both children to exit")
+
+
 @pytest.mark.parametrize("processes", [0, -1])
 def test_processes_must_be_one_or_more(processes: int) -> None:
     with pytest.raises(CommandError, match=rf"Invalid processes {processes}: use a whole number"):

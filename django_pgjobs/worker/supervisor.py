@@ -107,8 +107,10 @@ class Supervisor:
     ``run()`` starts them, starts again each one that dies (after ``RESTART_DELAY`` seconds,
     doubled per death in a row up to ``MAX_RESTART_DELAY``, back to the first after a child
     ran ``STABLE_AFTER`` seconds), and returns the exit status once every child has ended:
-    0 when each last exited 0, else 1. With ``burst`` a child that exits 0 has drained its
-    queues and is done; otherwise one that exits 0 (``--max-jobs``) is replaced at once.
+    0 when each last exited 0 (and, with ``burst``, none died on the way), else 1. With
+    ``burst`` a child that exits 0 has drained its queues and is done; otherwise one that
+    exits 0 (``--max-jobs``) is replaced at once. SIGHUP drains the children as a first
+    SIGTERM does, and a supervisor leaving ``run()`` on an error terminates them.
     ``stop()`` (or SIGTERM/SIGINT once ``install_signal_handlers()`` was called) passes the
     signal on to every child: the first drains them, a second stops them at once; no child
     is started again once a stop began.
@@ -120,6 +122,8 @@ class Supervisor:
         self.burst = burst
         self.children = [Child(index) for index in range(self.processes)]
         self.signals = 0
+        # Children that died (a non-zero exit or a signal not passed on by us).
+        self.deaths = 0
         # Signals, and children whose process exited, in the order they came.
         # SimpleQueue.put() is reentrant: the signal handler may run inside the loop's get().
         self._events: queue.SimpleQueue[signal.Signals | Child] = queue.SimpleQueue()
@@ -129,9 +133,16 @@ class Supervisor:
     def install_signal_handlers(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        # A hangup (the terminal or ssh session went away) would kill the supervisor and
+        # leave its children, in sessions of their own, running with no one to stop them:
+        # it drains them instead, as a first SIGTERM does.
+        signal.signal(signal.SIGHUP, self._on_hangup)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._events.put(signal.Signals(signum))
+
+    def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
+        self._events.put(signal.SIGTERM)
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """As if the supervisor received ``signum``; callable from any thread."""
@@ -151,21 +162,29 @@ class Supervisor:
             " ".join(self.command),
             extra={"action": "start"},
         )
-        for child in self.children:
-            self._start(child)
-        while not all(child.finished for child in self.children):
-            due = [c.restart_at for c in self.children if c.restart_at is not None]
-            timeout = max(0.0, min(due) - time.monotonic()) if due else None
-            try:
-                event: signal.Signals | Child | None = self._events.get(timeout=timeout)
-            except queue.Empty:
-                event = None
-            if isinstance(event, Child):
-                self._on_exit(event)
-            elif event is not None:
-                self._on_stop_signal(event)
-            self._restart_due()
+        try:
+            for child in self.children:
+                self._start(child)
+            while not all(child.finished for child in self.children):
+                due = [c.restart_at for c in self.children if c.restart_at is not None]
+                timeout = max(0.0, min(due) - time.monotonic()) if due else None
+                try:
+                    event: signal.Signals | Child | None = self._events.get(timeout=timeout)
+                except queue.Empty:
+                    event = None
+                if isinstance(event, Child):
+                    self._on_exit(event)
+                elif event is not None:
+                    self._on_stop_signal(event)
+                self._restart_due()
+        finally:
+            # Leaving early (an error of ours, a KeyboardInterrupt): no child outlives us.
+            self._terminate_running()
         status = 0 if all(child.returncode == 0 for child in self.children) else 1
+        if self.burst and self.deaths:
+            # A burst whose child died did not run every job: the replacement found the dead
+            # one's jobs still leased and ended, and they wait for a reaper.
+            status = 1
         logger.info(
             "supervisor (pid %s) stopped: %s",
             os.getpid(),
@@ -177,6 +196,18 @@ class Supervisor:
             extra={"action": "stop"},
         )
         return status
+
+    def _terminate_running(self) -> None:
+        for child in self.children:
+            process = child.process
+            if process is not None and process.poll() is None:
+                logger.error(
+                    "supervisor exiting early: stopping runjobs process %s (pid %s)",
+                    child.index,
+                    process.pid,
+                    extra={"action": "shutdown"},
+                )
+                process.terminate()
 
     def _start(self, child: Child) -> None:
         child.restart_at = None
@@ -237,9 +268,12 @@ class Supervisor:
         child.returncode = returncode
         how = ending(returncode)
         extra = {"action": "stop", "pid": process.pid, "returncode": returncode}
+        if returncode != 0:
+            self.deaths += 1
         if self.stopping or (self.burst and returncode == 0):
             child.finished = True
-            logger.info(
+            logger.log(
+                logging.INFO if returncode == 0 else logging.WARNING,
                 "runjobs process %s (pid %s) %s after %.1f s",
                 child.index,
                 process.pid,
@@ -259,6 +293,7 @@ class Supervisor:
                 ran,
                 extra=extra,
             )
+            child.delay = RESTART_DELAY
             self._start(child)
             return
         if ran >= STABLE_AFTER:
