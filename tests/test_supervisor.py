@@ -251,6 +251,22 @@ def alive(pid: int) -> bool:
     return True
 
 
+def waiting_child(ready: Path) -> list[str]:
+    """A child's command line: it notes in ``ready`` that it runs, then sleeps until a signal."""
+    return [
+        sys.executable,
+        "-c",
+        f"import time; open({str(ready)!r}, 'a').write('x'); time.sleep(600)",
+    ]
+
+
+def wait_for_ready(ready: Path, count: int) -> None:
+    wait_until(
+        lambda: ready.exists() and len(ready.read_text()) == count,
+        message=f"{count} children to run",
+    )
+
+
 def run_in_thread(supervisor: Supervisor) -> DbThread:
     thread = DbThread(supervisor.run)
     thread.start()
@@ -299,16 +315,9 @@ def test_a_stop_from_python_reaches_every_child_and_none_starts_again(tmp_path: 
     ready = tmp_path / "ready"
     # Children that say they run, then wait for their signal (Python's default SIGTERM: an
     # end by the signal the supervisor passed on, which counts as a clean stop).
-    command = [
-        sys.executable,
-        "-c",
-        f"import time; open({str(ready)!r}, 'a').write('x'); time.sleep(600)",
-    ]
-    supervisor = Supervisor(command, 2)
+    supervisor = Supervisor(waiting_child(ready), 2)
     thread = run_in_thread(supervisor)
-    wait_until(
-        lambda: ready.exists() and len(ready.read_text()) == 2, message="two children to run"
-    )
+    wait_for_ready(ready, 2)
 
     supervisor.stop()
 
@@ -366,23 +375,15 @@ def test_a_hangup_drains_the_children_instead_of_orphaning_them(supervised: Work
 
 def test_a_supervisor_leaving_early_stops_its_children(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    command = [
-        sys.executable,
-        "-c",
-        f"import time; open({str(ready)!r}, 'a').write('x'); time.sleep(600)",
-    ]
-    supervisor = Supervisor(command, 2)
+    supervisor = Supervisor(waiting_child(ready), 2)
 
     def failing_stop(sig: signal.Signals) -> None:
         # An error of the supervisor's own, before it passed the stop on.
         raise RuntimeError("the supervisor's own bug")
 
     supervisor._on_stop_signal = failing_stop  # type: ignore[method-assign]
-    thread = DbThread(supervisor.run)
-    thread.start()
-    wait_until(
-        lambda: ready.exists() and len(ready.read_text()) == 2, message="two children to run"
-    )
+    thread = run_in_thread(supervisor)
+    wait_for_ready(ready, 2)
     pids = [c.process.pid for c in supervisor.children if c.process is not None]
     assert len(pids) == 2
 
