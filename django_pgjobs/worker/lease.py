@@ -16,12 +16,14 @@ constant load a suspect waits ``queued`` until some worker drains.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
+from django_pgjobs.context import JobContext
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import reset_all, tidy
-from django_pgjobs.worker.executor import Shared, call, context
+from django_pgjobs.worker.executor import Shared, acall, call, context
 from django_pgjobs.worker.outcomes import RELEASE, Outcome, announce
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -129,6 +131,33 @@ class LeaseMode:
             reset_all()
         else:
             tidy()
+        self._finish(job, ctx, outcome)
+
+    async def aexecute(self, job: ClaimedJob) -> None:
+        """``execute()`` for an ``async def`` job, on the worker's event loop: the same
+        heartbeat, timeout and fence; what stops a sync job's attempt (a timeout, a cancel, a
+        lost lease) also cancels this job's task."""
+        if not self.completer.holds(job):
+            return
+        ctx = context(job)
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        if task is not None:
+            cancel = task.cancel
+
+            def stop() -> None:
+                loop.call_soon_threadsafe(cancel)
+
+            ctx.on_stop = stop
+        self.completer.track(job, ctx)
+        try:
+            outcome = await acall(job, ctx, self.store.alias)
+        finally:
+            self.completer.untrack(job)
+        self._finish(job, ctx, outcome)
+
+    def _finish(self, job: ClaimedJob, ctx: JobContext, outcome: Outcome) -> None:
+        """Hand the outcome to the completer, unless the attempt was taken from us."""
         if ctx.timed_out:
             # Its JobTimeout failure is already written, its slot already given to another
             # executor: what it did now is too late to count.
