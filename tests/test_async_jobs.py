@@ -126,6 +126,36 @@ def test_the_async_concurrency_caps_how_many_run_at_once(workers: Workers, spans
     assert 1 < most_at_once([(s, e) for *_, s, e in ended()]) <= 3
 
 
+def test_async_jobs_waiting_for_a_slot_of_the_loop_keep_their_leases(
+    workers: Workers, spans: None
+) -> None:
+    """A claim sized by the free threads brings more async jobs than the loop's one slot;
+    those waiting for it past their 2 s lease are heartbeated, so no reap takes them back."""
+    ids = naps(5, 1.5)
+    worker = start(
+        workers,
+        "--concurrency",
+        "4",
+        "--async-concurrency",
+        "1",
+        "--lease",
+        "2",
+        "--reap-interval",
+        "1",
+        "--poll-interval",
+        "1",
+    )
+    wait_until(lambda: counts().get("done", 0) == 5, message="the 5 jobs to finish")
+    runs = ended()
+    assert sorted(i for i, *_ in runs) == sorted(ids)
+    assert {a for _, a, *_ in runs} == {1}
+    assert most_at_once([(s, e) for *_, s, e in runs]) == 1
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+    assert "ran 5 jobs: 5 done, 0 to retry, 0 failed, 0 lost" in worker.output()
+    assert "0 reaped" in worker.output()
+
+
 def test_sync_and_async_jobs_of_one_queue_each_run_where_they_belong(
     workers: Workers, spans: None
 ) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from django_pgjobs.context import JobContext
 from django_pgjobs.lifecycle import ClaimedJob
@@ -133,25 +134,26 @@ class LeaseMode:
             tidy()
         self._finish(job, ctx, outcome)
 
-    async def aexecute(self, job: ClaimedJob) -> None:
-        """``execute()`` for an ``async def`` job, on the worker's event loop: the same
-        heartbeat, timeout and fence; what stops a sync job's attempt (a timeout, a cancel, a
-        lost lease) also cancels this job's task."""
+    async def aexecute(self, job: ClaimedJob, slots: asyncio.Semaphore) -> None:
+        """``execute()`` for an ``async def`` job, on the worker's event loop, once one of
+        its ``slots`` is free: the same heartbeat, timeout and fence; what stops a sync job's
+        attempt (a timeout, a cancel, a lost lease) also cancels this job's task.
+
+        A claim may bring more async jobs than the loop has free slots (its size counts the
+        free executors too): the job waiting for a slot is heartbeated already, so its lease
+        holds, and a cancel meanwhile means it never starts."""
         if not self.completer.holds(job):
             return
         ctx = context(job)
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        if task is not None:
-            cancel = task.cancel
-
-            def stop() -> None:
-                loop.call_soon_threadsafe(cancel)
-
-            ctx.on_stop = stop
-        self.completer.track(job, ctx)
+        self.completer.track(job, ctx, timed=False)
         try:
-            outcome = await acall(job, ctx, self.store.alias)
+            async with slots:
+                if not self.completer.holds(job):
+                    return
+                ctx.on_stop = _canceller()
+                # Its timeout starts now.
+                self.completer.track(job, ctx)
+                outcome = await acall(job, ctx, self.store.alias)
         finally:
             self.completer.untrack(job)
         self._finish(job, ctx, outcome)
@@ -194,3 +196,17 @@ class LeaseMode:
                 "worker_id": self.worker_id,
             },
         )
+
+
+def _canceller() -> Callable[[], None]:
+    """What cancels the running asyncio task, from any thread (the completer's)."""
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if task is None:
+        raise RuntimeError("an async job runs in an asyncio task")
+    cancel = task.cancel
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(cancel)
+
+    return stop

@@ -65,8 +65,7 @@ class EventLoop(threading.Thread):
 
     async def _run(self, job: ClaimedJob) -> None:
         try:
-            async with self._slots:
-                await self.mode.aexecute(job)
+            await self.mode.aexecute(job, self._slots)
         except BaseException:
             # Our own bug or an unexpected database error (the job's own errors are its
             # outcome): the job's lease and the reaper recover it; the loop must live on.
