@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -18,3 +19,15 @@ def stamp(seq: int, out: str) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+@job
+def doze(seconds: float) -> None:
+    """The async section's job on an executor thread: an I/O wait that holds its thread."""
+    time.sleep(seconds)
+
+
+@job
+async def nap(seconds: float) -> None:
+    """The same wait as ``doze``, awaited on the worker's event loop."""
+    await asyncio.sleep(seconds)

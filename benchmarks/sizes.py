@@ -23,6 +23,9 @@ class Sizes:
     pgbench_threads: int = 2
     scrape_rows: int = 10_000_000  # finished rows under the metrics scrape
     scrapes: int = 100  # timed scrapes per run and table
+    sleep_jobs: int = 2_000  # the async section: jobs that each wait sleep_s
+    sleep_s: float = 0.2
+    async_concurrency: int = 100
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -37,4 +40,5 @@ class Sizes:
             naive_jobs=2_000,
             scrape_rows=1_000_000,
             scrapes=50,
+            sleep_jobs=400,
         )
