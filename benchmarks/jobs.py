@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -32,3 +33,15 @@ def crunch(**kwargs: object) -> int:
     for i in range(CRUNCH_ROUNDS):
         total += i * i % 7
     return total
+
+
+@job
+def doze(seconds: float) -> None:
+    """The async section's job on an executor thread: an I/O wait that holds its thread."""
+    time.sleep(seconds)
+
+
+@job
+async def nap(seconds: float) -> None:
+    """The same wait as ``doze``, awaited on the worker's event loop."""
+    await asyncio.sleep(seconds)

@@ -106,6 +106,15 @@ def peer_names(runs: Runs) -> list[str]:
     return sorted({key.split(".")[1] for key in runs if key.startswith("peer.")})
 
 
+# The async section's runs: time.sleep on threads, await asyncio.sleep on the event loop at
+# the threads' width, and at --async-concurrency's.
+ASYNC_ROWS = (
+    ("sleep_threads", "threads, --concurrency"),
+    ("sleep_loop_same", "event loop, --async-concurrency"),
+    ("sleep_loop", "event loop, --async-concurrency"),
+)
+
+
 def build_rows(
     runs: Runs, rss: dict[str, Any] | None, history_rows: int, scrape_rows: int = 0
 ) -> list[Row]:
@@ -378,6 +387,11 @@ def build_rows(
                 source + "w3",
                 lambda r, q=q: r[f"{q}_ms"],
             )
+    for source, name in ASYNC_ROWS:
+        for runs_of in runs.get(source, [])[:1]:
+            label = f"Async: {runs_of['jobs']:,} waits, {name} {runs_of['width']}"
+            add(f"{source}.span_s", label, "s", source, lambda r: r["span_s"])
+            add(f"{source}.ideal_s", f"{label}: ideal", "s", source, lambda r: r["ideal_s"])
     if rss is not None:
         for part in ("start", "peak", "end"):
             rows.append(
@@ -496,6 +510,17 @@ def build_targets(
         )
     else:
         targets.append(Target("worker RSS flat", "-", "end within 5% of a quarter in", None))
+    loop, ideal = get("sleep_loop.span_s"), get("sleep_loop.ideal_s")
+    targets.append(
+        Target(
+            "Async: event loop's span vs the ideal (jobs x wait / --async-concurrency)",
+            "-"
+            if loop is None or ideal is None
+            else f"{loop / ideal:.2f}x ({loop:.2f} vs {ideal:.2f} s)",
+            "<= 2x",
+            None if loop is None or ideal is None else loop <= 2 * ideal,
+        )
+    )
     return targets
 
 
@@ -547,6 +572,16 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
             "Cores: no-op, --processes 2 / 1",
             "cores_noop_2x4.jobs_per_s",
             "cores_noop_1x8.jobs_per_s",
+        ),
+        (
+            "async: threads / event loop, same width",
+            "sleep_threads.span_s",
+            "sleep_loop_same.span_s",
+        ),
+        (
+            "async: threads / event loop at its own width",
+            "sleep_threads.span_s",
+            "sleep_loop.span_s",
         ),
     )
     for peer in sorted({key.split(".")[1] for key in med if key.startswith("peer.")}):

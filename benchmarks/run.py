@@ -34,7 +34,19 @@ from benchmarks import db, report  # noqa: E402
 from benchmarks.sizes import Sizes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("w1", "w2", "w3", "scale", "keys", "ceiling", "rss", "scrape", "claimers", "cores")
+SECTIONS = (
+    "w1",
+    "w2",
+    "w3",
+    "scale",
+    "keys",
+    "ceiling",
+    "rss",
+    "scrape",
+    "claimers",
+    "cores",
+    "async",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -188,6 +200,10 @@ def headline(key: str, result: dict[str, Any]) -> str:
         )
     if key.startswith("claim"):
         return f"claim {result['claim_ms']:.3f} ms, + complete {result['claim_complete_ms']:.3f}"
+    if key.startswith("sleep_"):
+        return (
+            f"{result['span_s']:.2f} s at width {result['width']} (ideal {result['ideal_s']:.2f})"
+        )
     if key == "naive":
         return (
             f"{result['done']:,} of {result['jobs']:,} done, max attempts {result['max_attempts']}"
@@ -384,6 +400,14 @@ def run_suite(
             )
             for n in (1, 2)
         ),
+        # async def jobs (docs/async.md): the same 0.2 s waits on threads and on the event loop.
+        ("async", "sleep_threads", lambda: bench.sleepers(on_loop=False)),
+        (
+            "async",
+            "sleep_loop_same",
+            lambda: bench.sleepers(on_loop=True, async_concurrency=sizes.concurrency),
+        ),
+        ("async", "sleep_loop", lambda: bench.sleepers(on_loop=True)),
     ]
     if bench.pgbench is None and "ceiling" not in skip:
         print("pgbench not found: the SQL ceiling is not measured")

@@ -26,6 +26,9 @@ class Sizes:
     claimers_jobs: int = 20_000  # jobs drained per run of the claimers section
     claimer_counts: tuple[int, ...] = (1, 4, 16, 64)  # its threads, one connection each
     cpu_jobs: int = 2_000  # the cores section's CPU-bound jobs (about 5 ms each)
+    sleep_jobs: int = 2_000  # the async section: jobs that each wait sleep_s
+    sleep_s: float = 0.2
+    async_concurrency: int = 100
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -42,4 +45,5 @@ class Sizes:
             scrapes=50,
             claimers_jobs=2_000,
             cpu_jobs=500,
+            sleep_jobs=400,
         )

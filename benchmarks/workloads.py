@@ -23,7 +23,7 @@ from typing import IO, Any
 from django.db import connections, transaction
 
 from benchmarks.db import TASK, Admin, BenchAbort, pgbench_params
-from benchmarks.jobs import stamp
+from benchmarks.jobs import doze, nap, stamp
 from benchmarks.proc import ServerCpu, rss_bytes
 from benchmarks.sizes import Sizes
 from django_pgjobs import conf, registry, sql
@@ -667,6 +667,40 @@ class Bench:
         if history:
             return self.history, "history", self.history_url
         return self.admin, "default", self.bench_url
+
+    # -- async ------------------------------------------------------------------------------
+
+    def sleepers(self, *, on_loop: bool, async_concurrency: int | None = None) -> dict[str, Any]:
+        """The async section: ``sleep_jobs`` jobs that each wait ``sleep_s`` seconds, run by
+        one ``runjobs --burst --concurrency C``: ``time.sleep`` on the C executor threads, or
+        ``await asyncio.sleep`` on the event loop at ``--async-concurrency A``. ``ideal_s``
+        is the wait alone at that width: jobs x seconds / (C or A)."""
+        sizes = self.sizes
+        n, width = sizes.sleep_jobs, sizes.concurrency
+        args = ["--burst", "--concurrency", str(width)]
+        if on_loop:
+            width = async_concurrency or sizes.async_concurrency
+            args += ["--async-concurrency", str(width)]
+        self._reset(False)
+        Job.objects.enqueue_many(nap if on_loop else doze, [{"seconds": sizes.sleep_s}] * n)
+        started = time.monotonic()
+        [(code, cpu)] = self.reap([self.spawn(self.bench_url, *args)])
+        wall = time.monotonic() - started
+        if code:
+            raise BenchAbort(f"async section: a worker exited with {code}; see the worker log")
+        self.admin.check_all_done(n, 0, "async section")
+        span = self.admin.span(0)
+        self._reset(False)
+        ideal = n * sizes.sleep_s / width
+        return {
+            "jobs": n,
+            "on_loop": on_loop,
+            "width": width,
+            "span_s": span,
+            "wall_s": wall,
+            "ideal_s": ideal,
+            "worker_cpu_s": cpu,
+        }
 
     def _reset(self, history: bool) -> int:
         """Empty the bench table, or cut the history table back to its done rows."""

@@ -16,9 +16,11 @@ and what ``@job`` says that ``django.tasks`` has no words for: ``RETRY_ON`` and
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from asgiref.sync import sync_to_async
 from django.apps import apps
 from django.conf import settings
 from django.core import checks as django_checks
@@ -160,55 +162,96 @@ class TaskRunner:
 
     It sends ``task_started`` and ``task_finished`` (after every attempt; the status is
     ``READY`` when a retry or a snooze will follow), and passes a ``TaskContext`` to tasks
-    that take one.
+    that take one. Called on an executor thread, it runs an async task to its end there
+    (``Task.call``); ``AsyncTaskRunner`` awaits one on the worker's event loop instead.
     """
 
     def __init__(self, task: Task[..., Any]) -> None:
         self.task = task
 
     def __call__(self, *, args: list[Any], kwargs: dict[str, Any], backend: str) -> Any:
+        ctx, owner, running = self._start(backend)
+        try:
+            if running.task.takes_context:
+                value = running.task.call(TaskContext(task_result=running), *args, **kwargs)
+            else:
+                value = running.task.call(*args, **kwargs)
+            validation.result(value)
+        except BaseException as exc:
+            self._ended(owner, running, ctx, exc)
+            raise
+        return self._returned(owner, running, ctx, value)
+
+    def _start(self, backend: str) -> tuple[JobContext, BaseTaskBackend, TaskResult[Any, Any]]:
+        """The running job, its backend and its ``TaskResult``, once ``task_started`` is sent."""
         ctx = current_job()
         if ctx is None:
             raise RuntimeError("A task row runs only inside the pgjobs worker.")
         owner = task_backends[backend]
         running = owner.get_result(str(ctx.id))
-        task = running.task
         task_started.send(type(owner), task_result=running)
-        try:
-            if task.takes_context:
-                value = task.call(TaskContext(task_result=running), *args, **kwargs)
-            else:
-                value = task.call(*args, **kwargs)
-            validation.result(value)
-        except Snooze:
+        return ctx, owner, running
+
+    def _ended(
+        self,
+        owner: BaseTaskBackend,
+        running: TaskResult[Any, Any],
+        ctx: JobContext,
+        exc: BaseException,
+    ) -> None:
+        """``task_finished`` for an attempt that raised ``exc``."""
+        if isinstance(exc, Snooze):
             # Not a failure: the task is READY again later, with no error listed.
             snoozed = dataclasses.replace(running, status=TaskResultStatus.READY)
             _send_finished(owner, snoozed, ctx)
-            raise
-        except BaseException as exc:
-            retry = ctx.attempts < ctx.max_attempts and not registry.get(
-                self.task.module_path
-            ).gives_up_on(exc)
-            # As the framework's own backends do: the result lists this attempt's error, and
-            # a finished (not retried) task has finished_at.
-            failure = Failure.from_exception(exc)
-            error = TaskError(
-                exception_class_path=failure.exception_class_path, traceback=failure.traceback
-            )
-            failed = dataclasses.replace(
-                running,
-                status=TaskResultStatus.READY if retry else TaskResultStatus.FAILED,
-                finished_at=None if retry else timezone.now(),
-                errors=[*running.errors, error],
-            )
-            _send_finished(owner, failed, ctx)
-            raise
+            return
+        retry = ctx.attempts < ctx.max_attempts and not registry.get(
+            self.task.module_path
+        ).gives_up_on(exc)
+        # As the framework's own backends do: the result lists this attempt's error, and
+        # a finished (not retried) task has finished_at.
+        failure = Failure.from_exception(exc)
+        error = TaskError(
+            exception_class_path=failure.exception_class_path, traceback=failure.traceback
+        )
+        failed = dataclasses.replace(
+            running,
+            status=TaskResultStatus.READY if retry else TaskResultStatus.FAILED,
+            finished_at=None if retry else timezone.now(),
+            errors=[*running.errors, error],
+        )
+        _send_finished(owner, failed, ctx)
+
+    def _returned(
+        self, owner: BaseTaskBackend, running: TaskResult[Any, Any], ctx: JobContext, value: Any
+    ) -> Any:
+        """``task_finished`` for an attempt that returned ``value``; returns it."""
         done = dataclasses.replace(
             running, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now()
         )
         object.__setattr__(done, "_return_value", value)
         _send_finished(owner, done, ctx)
         return value
+
+
+class AsyncTaskRunner(TaskRunner):
+    """The runner of an ``async def`` task: ``acall`` awaits it on the worker's event loop.
+
+    The result's reads and the signals are sync (the ORM, and receivers that may use it):
+    they run on Django's sync_to_async thread, never blocking the loop."""
+
+    async def acall(self, *, args: list[Any], kwargs: dict[str, Any], backend: str) -> Any:
+        ctx, owner, running = await sync_to_async(self._start)(backend)
+        try:
+            if running.task.takes_context:
+                value = await running.task.acall(TaskContext(task_result=running), *args, **kwargs)
+            else:
+                value = await running.task.acall(*args, **kwargs)
+            validation.result(value)
+        except BaseException as exc:
+            await sync_to_async(self._ended)(owner, running, ctx, exc)
+            raise
+        return await sync_to_async(self._returned)(owner, running, ctx, value)
 
 
 def _send_finished(owner: BaseTaskBackend, result: TaskResult[Any, Any], ctx: JobContext) -> None:
@@ -261,7 +304,7 @@ class PgJobsBackend(BaseTaskBackend):
             return
         registry.register(
             JobFunction(
-                TaskRunner(task),
+                (AsyncTaskRunner if inspect.iscoroutinefunction(task.func) else TaskRunner)(task),
                 name=task.module_path,
                 queue=task.queue_name,
                 max_attempts=self.max_attempts,

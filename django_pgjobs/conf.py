@@ -41,6 +41,8 @@ DEFAULTS: dict[str, Any] = {
     # Seconds a claim owns a job before the reaper may take it back.
     "LEASE": 300.0,
     "CONCURRENCY": 4,
+    # async def jobs a worker runs at once on its event-loop thread, apart from CONCURRENCY.
+    "ASYNC_CONCURRENCY": 100,
     "BATCH_SIZE": 10,
     # Seconds between fallback polls (and LISTEN health probes) of an idle worker.
     "POLL_INTERVAL": 10.0,
@@ -158,6 +160,10 @@ def lease() -> timedelta:
 
 def concurrency() -> int:
     return int(value("CONCURRENCY"))
+
+
+def async_concurrency() -> int:
+    return int(value("ASYNC_CONCURRENCY"))
 
 
 def batch_size() -> int:

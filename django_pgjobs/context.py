@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -14,7 +15,7 @@ _current: ContextVar[JobContext | None] = ContextVar("pgjobs_current_job", defau
 
 @dataclass
 class JobContext:
-    """The job an executor is running.
+    """The job an executor (or the event loop) is running.
 
     ``lost`` becomes true when a lease extension updated no row: the job was reaped and may
     already run elsewhere. ``cancelled`` when ``Job.objects.cancel()`` stopped it, and
@@ -40,6 +41,10 @@ class JobContext:
     _lost: bool = field(default=False, repr=False)
     _cancelled: bool = field(default=False, repr=False)
     _timed_out: bool = field(default=False, repr=False)
+    # Called (on the completer's thread) once the job should stop: the event loop cancels an
+    # async job's task with it. None for a job on an executor thread, which cannot be
+    # interrupted and checks ``should_stop`` itself.
+    on_stop: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def lost(self) -> bool:
@@ -68,12 +73,19 @@ class JobContext:
 
     def mark_lost(self) -> None:
         self._lost = True
+        self._stop()
 
     def mark_cancelled(self) -> None:
         self._cancelled = True
+        self._stop()
 
     def mark_timed_out(self) -> None:
         self._timed_out = True
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
 
 
 def current_job() -> JobContext | None:

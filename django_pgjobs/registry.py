@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
@@ -71,6 +71,11 @@ class JobFunction(Generic[P, R]):
         self.lock_key = lock_key
         # Whether the return value is recorded (django.tasks results); @job ignores it.
         self.stores_result = stores_result
+        # What the worker's event loop awaits for an async def job (or a django.tasks async
+        # task's runner); None: the job runs on an executor thread.
+        self.async_func: Callable[..., Awaitable[Any]] | None = (
+            func if inspect.iscoroutinefunction(func) else getattr(func, "acall", None)
+        )
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -88,6 +93,11 @@ class JobFunction(Generic[P, R]):
         return isinstance(exc, self.discard_on) or (
             self.retry_on is not None and not isinstance(exc, self.retry_on)
         )
+
+    @property
+    def is_async(self) -> bool:
+        """Whether the job runs on the worker's event loop."""
+        return self.async_func is not None
 
     def __repr__(self) -> str:
         return f"<JobFunction {self.name}>"
@@ -177,12 +187,6 @@ def job(
                 f"Cannot register {task_name}: a job must be a module-level function, "
                 "or be given a name= that the worker can find."
             )
-        if inspect.iscoroutinefunction(fn):
-            raise ValueError(
-                f"Cannot register {task_name}: the worker calls jobs synchronously, so an "
-                "async def job would never run. Use a django.tasks @task (async supported) or "
-                "wrap it with asgiref.sync.async_to_sync."
-            )
         wrapper = JobFunction(
             fn,
             name=task_name,
@@ -257,6 +261,13 @@ def resolve(task: str | Callable[..., Any]) -> JobFunction[..., Any]:
             return registered
     name = f"{getattr(task, '__module__', '?')}.{getattr(task, '__qualname__', task)!s}"
     raise UnknownTask(f"{name} is not a job: decorate it with @django_pgjobs.job first.")
+
+
+def runs_async(name: str) -> bool:
+    """Whether the job registered under ``name`` is an ``async def`` one (False for a name
+    that is not registered: its failure is an executor's)."""
+    registered = _registry.get(name)
+    return registered is not None and registered.is_async
 
 
 def names() -> list[str]:

@@ -457,6 +457,7 @@ SETTINGS: dict[str, Callable[[object], Any]] = {
     "BACKOFF_MAX": _seconds("BACKOFF_MAX", 0),
     "LEASE": _seconds("LEASE", 1),
     "CONCURRENCY": _whole("CONCURRENCY"),
+    "ASYNC_CONCURRENCY": _whole("ASYNC_CONCURRENCY"),
     "BATCH_SIZE": _whole("BATCH_SIZE"),
     "POLL_INTERVAL": _seconds("POLL_INTERVAL", 0.01),
     "REAP_INTERVAL": _seconds("REAP_INTERVAL", 0),

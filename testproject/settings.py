@@ -98,6 +98,10 @@ for _name in ("NOTIFY", "PREPARE", "WORKER_SYNCHRONOUS_COMMIT"):
         _value = os.environ[f"PGJOBS_{_name}"]
         PGJOBS[_name] = _WORDS.get(_value.lower(), _value)
 
+# Extra job modules for one process (the async jobs' tests), comma-separated.
+if os.environ.get("PGJOBS_IMPORTS"):
+    PGJOBS["IMPORTS"] += os.environ["PGJOBS_IMPORTS"].split(",")
+
 # Periodic schedules for one process (the admin's browser test), as JSON: PGJOBS["SCHEDULE"].
 if os.environ.get("PGJOBS_SCHEDULE"):
     PGJOBS["SCHEDULE"] = json.loads(os.environ["PGJOBS_SCHEDULE"])

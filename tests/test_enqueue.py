@@ -533,16 +533,6 @@ class OrderViewCommitTests(TransactionTestCase):
         assert (Order.objects.count(), Job.objects.count()) == (0, 0)
 
 
-def test_an_async_job_is_refused_when_decorated() -> None:
-    async def fetch(url: str) -> None:
-        """Would never run: the worker calls jobs synchronously."""
-
-    with pytest.raises(ValueError, match="async def job would never run"):
-        job(name="tests.async_fetch")(fetch)
-    with pytest.raises(UnknownTask):
-        registry.get("tests.async_fetch")
-
-
 def test_two_functions_under_one_name_are_refused_a_task_included() -> None:
     def first() -> None:
         """The first registration."""

@@ -8,6 +8,8 @@ called with the payload as keyword arguments, and the outcome that follows.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import queue
 import threading
@@ -25,7 +27,7 @@ from django_pgjobs.context import JobContext, reset_current_job, set_current_job
 from django_pgjobs.exceptions import InvalidPayload, JobTimeout, Snooze, UnknownTask
 from django_pgjobs.lifecycle import ClaimedJob, Failure
 from django_pgjobs.registry import JobFunction
-from django_pgjobs.worker.db import queue_connection, queue_database_away
+from django_pgjobs.worker.db import QueueConnection, queue_connection, queue_database_away
 from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, SNOOZE, Outcome, WorkerStats
 from django_pgjobs.worker.store import Store
 
@@ -73,55 +75,110 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     failure, retried or not as ``decide()`` says, with one exception: a job that failed
     because the queue's own database (``alias``) went away is released, its attempt not
     counted, up to ``MAX_OUTAGE_RELEASES`` times. A payload that is not a JSON object fails
-    the job for good, at once.
+    the job for good, at once. An ``async def`` job met here (transaction mode, which runs
+    every job on its executor thread) runs to its end on an event loop of its own.
     """
-    if job.invalid_payload is not None:
-        invalid = InvalidPayload(
-            f"Job {job.id} ({job.task}, queue {job.queue}): {job.invalid_payload}."
-        )
-        return Outcome(
-            job, FAIL, failure=Failure.from_exception(invalid), final=True, error=invalid
-        )
+    refused = invalid(job)
+    if refused is not None:
+        return refused
     token = set_current_job(ctx)
     func = None
     before = queue_connection(alias)
     started = time.perf_counter()
     try:
-        func = registry.get(job.task)
-        if signals.job_started.receivers and not func.stores_result:
-            started_signal(job, alias)
+        func = begin(job, alias)
         value = func.func(**job.payload)
-        if func.stores_result:
-            validation.result(value)
-        else:
-            value = None
-    except Snooze as snooze:
-        return Outcome(job, SNOOZE, time.perf_counter() - started, delay=snooze.seconds)
+        if inspect.iscoroutine(value):
+            value = asyncio.run(value)
+        return returned(job, func, value, started)
     except BaseException as exc:
-        duration = time.perf_counter() - started
-        failure = Failure.from_exception(exc)
-        if queue_database_away(exc, alias, before):
-            if job.outage_releases < MAX_OUTAGE_RELEASES:
-                logger.warning(
-                    "job %s %s attempt %s met a database outage; releasing it (attempt not "
-                    "counted)",
-                    job.id,
-                    job.task,
-                    job.attempts,
-                    extra={"action": "release", "job_id": job.id, "attempts": job.attempts},
-                )
-                return Outcome(job, RELEASE, duration, failure, outage=True, error=exc)
-            logger.warning(
-                "job %s %s was released %s times after database outages; counting this attempt",
-                job.id,
-                job.task,
-                job.outage_releases,
-                extra={"action": "fail", "job_id": job.id, "attempts": job.attempts},
-            )
-        return failed(job, func, exc, failure, duration)
+        return raised(job, func, exc, alias, before, started)
     finally:
         reset_current_job(token)
+
+
+async def acall(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
+    """``call()`` for an ``async def`` job, awaited on the worker's event loop.
+
+    A ``CancelledError`` is the job's failure like any other error: when the worker cancelled
+    the job's task (a timeout, a cancel, a lost lease), its context says so and the outcome
+    is not recorded; when the job raised it itself, it fails like a sync job would."""
+    refused = invalid(job)
+    if refused is not None:
+        return refused
+    token = set_current_job(ctx)
+    func = None
+    before = queue_connection(alias)
+    started = time.perf_counter()
+    try:
+        func = begin(job, alias)
+        if func.async_func is None:
+            raise TypeError(f"{job.task} is not an async job")
+        value = await func.async_func(**job.payload)
+        return returned(job, func, value, started)
+    except BaseException as exc:
+        return raised(job, func, exc, alias, before, started)
+    finally:
+        reset_current_job(token)
+
+
+def invalid(job: ClaimedJob) -> Outcome | None:
+    """The outcome of a job whose payload is not a JSON object: failed for good, at once."""
+    if job.invalid_payload is None:
+        return None
+    error = InvalidPayload(f"Job {job.id} ({job.task}, queue {job.queue}): {job.invalid_payload}.")
+    return Outcome(job, FAIL, failure=Failure.from_exception(error), final=True, error=error)
+
+
+def begin(job: ClaimedJob, alias: str) -> JobFunction[..., Any]:
+    """The job's registered function, once ``job_started`` is sent."""
+    func = registry.get(job.task)
+    if signals.job_started.receivers and not func.stores_result:
+        started_signal(job, alias)
+    return func
+
+
+def returned(job: ClaimedJob, func: JobFunction[..., Any], value: Any, started: float) -> Outcome:
+    """The outcome of a job that returned ``value``: its result kept only for tasks."""
+    if func.stores_result:
+        validation.result(value)
+    else:
+        value = None
     return Outcome(job, COMPLETE, time.perf_counter() - started, result=value)
+
+
+def raised(
+    job: ClaimedJob,
+    func: JobFunction[..., Any] | None,
+    exc: BaseException,
+    alias: str,
+    before: QueueConnection,
+    started: float,
+) -> Outcome:
+    """The outcome of a job that raised ``exc``: snoozed, released after an outage of the
+    queue's database, or failed."""
+    duration = time.perf_counter() - started
+    if isinstance(exc, Snooze):
+        return Outcome(job, SNOOZE, duration, delay=exc.seconds)
+    failure = Failure.from_exception(exc)
+    if queue_database_away(exc, alias, before):
+        if job.outage_releases < MAX_OUTAGE_RELEASES:
+            logger.warning(
+                "job %s %s attempt %s met a database outage; releasing it (attempt not counted)",
+                job.id,
+                job.task,
+                job.attempts,
+                extra={"action": "release", "job_id": job.id, "attempts": job.attempts},
+            )
+            return Outcome(job, RELEASE, duration, failure, outage=True, error=exc)
+        logger.warning(
+            "job %s %s was released %s times after database outages; counting this attempt",
+            job.id,
+            job.task,
+            job.outage_releases,
+            extra={"action": "fail", "job_id": job.id, "attempts": job.attempts},
+        )
+    return failed(job, func, exc, failure, duration)
 
 
 def started_signal(job: ClaimedJob, alias: str) -> None:

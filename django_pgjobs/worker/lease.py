@@ -16,12 +16,15 @@ constant load a suspect waits ``queued`` until some worker drains.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 
+from django_pgjobs.context import JobContext
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import reset_all, tidy
-from django_pgjobs.worker.executor import Shared, call, context
+from django_pgjobs.worker.executor import Shared, acall, call, context
 from django_pgjobs.worker.outcomes import RELEASE, Outcome, announce
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -129,6 +132,34 @@ class LeaseMode:
             reset_all()
         else:
             tidy()
+        self._finish(job, ctx, outcome)
+
+    async def aexecute(self, job: ClaimedJob, slots: asyncio.Semaphore) -> None:
+        """``execute()`` for an ``async def`` job, on the worker's event loop, once one of
+        its ``slots`` is free: the same heartbeat, timeout and fence; what stops a sync job's
+        attempt (a timeout, a cancel, a lost lease) also cancels this job's task.
+
+        A claim may bring more async jobs than the loop has free slots (its size counts the
+        free executors too): the job waiting for a slot is heartbeated already, so its lease
+        holds, and a cancel meanwhile means it never starts."""
+        if not self.completer.holds(job):
+            return
+        ctx = context(job)
+        self.completer.track(job, ctx, timed=False)
+        try:
+            async with slots:
+                if not self.completer.holds(job):
+                    return
+                ctx.on_stop = _canceller()
+                # Its timeout starts now.
+                self.completer.track(job, ctx)
+                outcome = await acall(job, ctx, self.store.alias)
+        finally:
+            self.completer.untrack(job)
+        self._finish(job, ctx, outcome)
+
+    def _finish(self, job: ClaimedJob, ctx: JobContext, outcome: Outcome) -> None:
+        """Hand the outcome to the completer, unless the attempt was taken from us."""
         if ctx.timed_out:
             # Its JobTimeout failure is already written, its slot already given to another
             # executor: what it did now is too late to count.
@@ -165,3 +196,17 @@ class LeaseMode:
                 "worker_id": self.worker_id,
             },
         )
+
+
+def _canceller() -> Callable[[], None]:
+    """What cancels the running asyncio task, from any thread (the completer's)."""
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if task is None:
+        raise RuntimeError("an async job runs in an asyncio task")
+    cancel = task.cancel
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(cancel)
+
+    return stop

@@ -40,6 +40,7 @@ from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import Backoff, unavailable
 from django_pgjobs.worker.executor import Executor, Shared
 from django_pgjobs.worker.lease import LeaseMode
+from django_pgjobs.worker.loop import EventLoop
 from django_pgjobs.worker.metrics import WorkerMetrics
 from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.scheduler import Scheduler
@@ -84,6 +85,7 @@ class Worker:
         queues: Sequence[str] | Mapping[str, int | None] | None = None,
         *,
         concurrency: int | None = None,
+        async_concurrency: int | None = None,
         batch_size: int | None = None,
         lease: float | timedelta | None = None,
         poll_interval: float | None = None,
@@ -111,6 +113,19 @@ class Worker:
         if None in self.limits.values():
             self._slots[SHARED] = self.concurrency
         self._busy = dict.fromkeys(self._slots, 0)
+        # async def jobs run on one event-loop thread, up to this many at once, apart from
+        # the executor threads' slots (a queue with a limit of its own still counts them).
+        self.async_concurrency = validation.positive_int(
+            "async_concurrency",
+            conf.async_concurrency() if async_concurrency is None else async_concurrency,
+        )
+        self._loop: EventLoop | None = None
+        # Async jobs handed to the loop and not yet ended (counted at hand-out).
+        self._async_inflight = 0
+        # Whether the latest claim that found jobs found async ones: only then (or while the
+        # loop runs some) do the loop's free slots size the claims, so a worker whose queue
+        # holds only sync jobs claims exactly as if it had no loop.
+        self._async_seen = False
         self.registered_only = (
             conf.claim_registered_only()
             if registered_only is None
@@ -330,6 +345,19 @@ class Worker:
         )
         self._completer = completer
         self._mode = self._make_mode(completer)
+        if self._lease_mode is not None and any(
+            registry.runs_async(name) for name in registry.names()
+        ):
+            self._loop = EventLoop(
+                self._lease_mode, self.async_concurrency, on_done=self._async_done
+            )
+            self._loop.start()
+            logger.info(
+                "worker %s runs async jobs on an event loop, %s at once",
+                self.worker_id,
+                self.async_concurrency,
+                extra={"action": "start", "worker_id": self.worker_id},
+            )
         executors = self._executors
         executors.extend(
             Executor(i, self._handoff, self._mode, on_done=self._job_done)
@@ -435,7 +463,7 @@ class Worker:
                     # A requeued job sends no NOTIFY: the claim below looks for it now.
                 if scheduler is not None and (scheduler.next_step or 0.0) <= now:
                     scheduler.step()
-                free = sum(self._slots.values()) - self._inflight
+                free = self._free()
                 if self.burst and self._lease_mode is not None and self._lease_mode.passed_over():
                     maybe_more = True
                 if self._lease_mode is not None and self._lease_mode.isolating():
@@ -559,6 +587,17 @@ class Worker:
             )
             self.stop()
 
+    def _free(self) -> int:
+        """Free slots for the next claim: the executors', and the event loop's when the
+        latest claims found async jobs."""
+        free = sum(self._slots.values()) - (self._inflight - self._async_inflight)
+        return free + self._loop_free()
+
+    def _loop_free(self) -> int:
+        if self._loop is None or not (self._async_seen or self._async_inflight):
+            return 0
+        return max(0, self.async_concurrency - self._async_inflight)
+
     def _pool(self, queue_name: str) -> str:
         """The slots a queue's jobs run in: its own, or the shared ones."""
         return queue_name if queue_name in self._slots else SHARED
@@ -573,13 +612,45 @@ class Worker:
             self._busy[pool] -= 1
         self._wake.set()
 
+    def _async_done(self, job: Any) -> None:
+        """An async job's task ended (called on the loop's thread)."""
+        pool = self._pool(job.queue)
+        with self._lock:
+            self._inflight -= 1
+            if self._async_inflight == self.async_concurrency:
+                self._freed = True
+            self._async_inflight -= 1
+            if pool != SHARED:
+                if self._busy[pool] == self._slots[pool]:
+                    self._freed = True
+                self._busy[pool] -= 1
+        self._wake.set()
+
     def _hand_out(self, *items: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            on_loop: list[Any] = []
+            on_threads = items
+        else:
+            on_loop = [item for item in items if registry.runs_async(item.task)]
+            on_threads = tuple(item for item in items if not registry.runs_async(item.task))
         with self._lock:
             self._inflight += len(items)
-            for item in items:
+            for item in on_threads:
                 self._busy[self._pool(item.queue)] += 1
-        for item in items:
+            if items:
+                self._async_seen = bool(on_loop)
+            self._async_inflight += len(on_loop)
+            for item in on_loop:
+                # Under a queue's own limit an async job takes one of its slots too.
+                pool = self._pool(item.queue)
+                if pool != SHARED:
+                    self._busy[pool] += 1
+        for item in on_threads:
             self._handoff.put(item)
+        if loop is not None:
+            for item in on_loop:
+                loop.submit(item)
 
     def _make_mode(self, completer: Completer) -> LeaseMode | TransactionMode:
         shared = Shared(
@@ -612,6 +683,8 @@ class Worker:
             pool = self._pool(queue_name)
             with self._lock:
                 free = self._slots[pool] - self._busy[pool]
+                if pool == SHARED:
+                    free += self._loop_free()
             asked = min(free, budget - got)
             if asked <= 0:
                 continue
@@ -649,6 +722,9 @@ class Worker:
                     break
                 executor.join(min(left, SHUTDOWN_STEP))
         still = [e.name for e in executors if e.is_alive() and not e.abandoned]
+        while self._async_inflight and time.monotonic() < deadline:
+            time.sleep(SHUTDOWN_STEP)
+        still.extend(["async job"] * self._async_inflight)
         completer.close(timeout=max(self.shutdown_timeout, 5.0))
         if still:
             # Their jobs (and any outcome the completer could not write) are still ours:
@@ -662,6 +738,10 @@ class Worker:
                 self._expire_held(),
                 extra={"action": "shutdown", "worker_id": self.worker_id},
             )
+        if self._loop is not None and not self._async_inflight:
+            # Jobs still running after the timeout keep the loop: their leases are ended,
+            # and the process exits.
+            self._loop.close()
         if listener is not None:
             listener.join(timeout=5.0)
         try:

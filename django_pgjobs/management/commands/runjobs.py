@@ -38,6 +38,13 @@ class Command(BaseCommand):
             "under a supervisor that starts again any that dies (default 1: this process is "
             "the worker).",
         )
+        parser.add_argument(
+            "--async-concurrency",
+            type=int,
+            metavar="N",
+            help="async def jobs run at once on the event-loop thread, apart from "
+            "--concurrency (default PGJOBS['ASYNC_CONCURRENCY'], 100).",
+        )
         parser.add_argument("--batch-size", type=int, help="Most jobs one claim takes.")
         parser.add_argument("--lease", type=float, metavar="SECONDS", help="Lease per claim.")
         parser.add_argument(
@@ -118,6 +125,7 @@ class Command(BaseCommand):
             worker = Worker(
                 options["queues"],
                 concurrency=options["concurrency"],
+                async_concurrency=options["async_concurrency"],
                 batch_size=options["batch_size"],
                 lease=options["lease"],
                 poll_interval=options["poll_interval"],

@@ -1,0 +1,84 @@
+"""``async def`` jobs for tests.test_async_jobs, imported by the workers those tests start
+(``PGJOBS_IMPORTS=tests.async_jobs``): the other test workers have no async job and no event
+loop. Each records what it did in the table ``test_async_span`` (the test module creates it)
+through the ORM on Django's sync_to_async thread: the loop's own thread must not block."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+
+from asgiref.sync import sync_to_async
+from django.db import connections
+
+from django_pgjobs import current_job, job
+
+SPANS = "test_async_span"
+# The end a job records when its task was cancelled.
+CANCELLED = -1.0
+
+
+def _record(job_id: int, attempts: int, started: float, ended: float | None) -> None:
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {SPANS} (job_id, attempts, started, ended) VALUES (%s, %s, %s, %s)",
+            [job_id, attempts, started, ended],
+        )
+
+
+record = sync_to_async(_record)
+
+
+@job
+async def nap(seconds: float, again: float | None = None) -> None:
+    """Await ``seconds`` (``again`` on later attempts, if given); record the start at once
+    and the whole span at the end (the machine's monotonic clock)."""
+    ctx = current_job()
+    assert ctx is not None
+    pause = seconds if again is None or ctx.attempts == 1 else again
+    started = time.monotonic()
+    await record(ctx.id, ctx.attempts, started, None)
+    await asyncio.sleep(pause)
+    await record(ctx.id, ctx.attempts, started, time.monotonic())
+
+
+@job(max_attempts=1)
+async def fails(message: str) -> None:
+    raise RuntimeError(message)
+
+
+@job(max_attempts=3, backoff=(60, 60))
+async def fails_to_retry(message: str) -> None:
+    raise RuntimeError(message)
+
+
+@job(max_attempts=1)
+async def raises_cancelled() -> None:
+    """Raises CancelledError itself: its failure, not a cancel by the worker."""
+    await asyncio.sleep(0)
+    raise asyncio.CancelledError("the job's own")
+
+
+@job(max_attempts=1, timeout=timedelta(seconds=1))
+async def hangs() -> None:
+    """Awaits past its one-second timeout; records that its task was cancelled."""
+    ctx = current_job()
+    assert ctx is not None
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        await record(ctx.id, ctx.attempts, 0.0, CANCELLED)
+        raise
+
+
+@job
+async def waits_for_cancel() -> None:
+    """Awaits until its task is cancelled (Job.objects.cancel()); records it."""
+    ctx = current_job()
+    assert ctx is not None
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        await record(ctx.id, ctx.attempts, 0.0, CANCELLED)
+        raise

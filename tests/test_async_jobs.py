@@ -1,0 +1,316 @@
+"""``async def`` jobs: they run on the worker's one event-loop thread, many at once beside a
+single executor thread, with the same fences, timeouts, cancels, shutdown and crash recovery
+as sync jobs. Real workers (``PGJOBS_IMPORTS=tests.async_jobs`` gives them the async jobs),
+real PostgreSQL; every wait is for a state of the table."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_pgjobs import job, registry
+from django_pgjobs.models import Job
+from testproject.shop.tasks import double
+from testproject.testjobs import noop
+from tests import async_jobs
+from tests.helpers import job_row, wait_until
+from tests.workers import SLEEP, Process, Workers, counts, query, scalar
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ASYNC = {"PGJOBS_IMPORTS": "tests.async_jobs"}
+
+
+@pytest.fixture
+def spans() -> Iterator[None]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TABLE IF NOT EXISTS {async_jobs.SPANS} "
+            "(job_id bigint, attempts int, started float8, ended float8)"
+        )
+        cursor.execute(f"TRUNCATE {async_jobs.SPANS}")
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TABLE {async_jobs.SPANS}")
+
+
+def ended() -> list[tuple[int, int, float, float]]:
+    """The finished spans: (job id, attempt, start, end)."""
+    rows = query(
+        f"SELECT job_id, attempts, started, ended FROM {async_jobs.SPANS} "
+        "WHERE ended IS NOT NULL AND ended >= 0"
+    )
+    return [(int(i), int(a), float(s), float(e)) for i, a, s, e in rows]
+
+
+def started() -> int:
+    return int(scalar(f"SELECT count(*) FROM {async_jobs.SPANS} WHERE ended IS NULL"))
+
+
+def cancelled_tasks() -> set[int]:
+    rows = query(f"SELECT job_id FROM {async_jobs.SPANS} WHERE ended = %s", [async_jobs.CANCELLED])
+    return {int(r[0]) for r in rows}
+
+
+def most_at_once(runs: list[tuple[float, float]]) -> int:
+    """The largest number of runs that overlap at one moment (an end before a start at the
+    same instant: touching runs do not overlap)."""
+    events = sorted([(a, 1) for a, _ in runs] + [(b, -1) for _, b in runs])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def status(job_id: int) -> str:
+    return str(job_row(job_id)["status"])
+
+
+def naps(count: int, seconds: float, **extra: Any) -> list[int]:
+    return list(
+        Job.objects.enqueue_many(
+            async_jobs.nap, [{"seconds": seconds, **extra} for _ in range(count)]
+        )
+    )
+
+
+def start(workers: Workers, *args: str) -> Process:
+    return workers.start("--concurrency", "1", *args, env=ASYNC)
+
+
+# -- registration -----------------------------------------------------------------------------
+
+
+def test_an_async_def_job_is_registered_as_one() -> None:
+    async def fetch(url: str) -> None:
+        """An I/O-bound job."""
+
+    registered = job(name="tests.async_fetch")(fetch)
+    try:
+        assert registered.is_async and registry.runs_async("tests.async_fetch")
+        assert not registry.get(noop.name).is_async
+        assert not registry.runs_async("tests.not_registered")
+    finally:
+        del registry._registry["tests.async_fetch"]
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+def test_fifty_async_jobs_wait_at_once_beside_one_executor_thread(
+    workers: Workers, spans: None
+) -> None:
+    ids = naps(50, 1.0)
+    worker = start(workers, "--async-concurrency", "50")
+    wait_until(lambda: counts().get("done", 0) == 50, message="the 50 jobs to finish")
+    runs = ended()
+    assert sorted(i for i, *_ in runs) == sorted(ids)
+    # One executor thread could run one at a time; the loop ran many at once.
+    assert most_at_once([(s, e) for *_, s, e in runs]) > 1
+    assert "runs async jobs on an event loop, 50 at once" in worker.log()
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+    assert "ran 50 jobs: 50 done" in worker.output()
+
+
+def test_the_async_concurrency_caps_how_many_run_at_once(workers: Workers, spans: None) -> None:
+    naps(12, 0.3)
+    start(workers, "--async-concurrency", "3", "--batch-size", "10")
+    wait_until(lambda: counts().get("done", 0) == 12, message="the 12 jobs to finish")
+    assert 1 < most_at_once([(s, e) for *_, s, e in ended()]) <= 3
+
+
+def test_async_jobs_waiting_for_a_slot_of_the_loop_keep_their_leases(
+    workers: Workers, spans: None
+) -> None:
+    """A claim sized by the free threads brings more async jobs than the loop's one slot;
+    those waiting for it past their 2 s lease are heartbeated, so no reap takes them back."""
+    ids = naps(5, 1.5)
+    worker = start(
+        workers,
+        "--concurrency",
+        "4",
+        "--async-concurrency",
+        "1",
+        "--lease",
+        "2",
+        "--reap-interval",
+        "1",
+        "--poll-interval",
+        "1",
+    )
+    wait_until(lambda: counts().get("done", 0) == 5, message="the 5 jobs to finish")
+    runs = ended()
+    assert sorted(i for i, *_ in runs) == sorted(ids)
+    assert {a for _, a, *_ in runs} == {1}
+    assert most_at_once([(s, e) for *_, s, e in runs]) == 1
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+    assert "ran 5 jobs: 5 done, 0 to retry, 0 failed, 0 lost" in worker.output()
+    assert "0 reaped" in worker.output()
+
+
+def test_sync_and_async_jobs_of_one_queue_each_run_where_they_belong(
+    workers: Workers, spans: None
+) -> None:
+    async_ids = naps(5, 0.2)
+    sync_ids = [Job.objects.enqueue(noop, {}).id for _ in range(5)]
+    start(workers)
+    wait_until(lambda: counts().get("done", 0) == 10, message="the 10 jobs to finish")
+    assert sorted(i for i, *_ in ended()) == sorted(async_ids)
+    assert all(status(i) == "done" for i in sync_ids)
+
+
+def test_outcomes_are_recorded_done_failed_and_retried(workers: Workers, spans: None) -> None:
+    done = Job.objects.enqueue(async_jobs.nap, {"seconds": 0}).id
+    failed = Job.objects.enqueue(async_jobs.fails, {"message": "async failure"}).id
+    retried = Job.objects.enqueue(async_jobs.fails_to_retry, {"message": "once more"}).id
+    own = Job.objects.enqueue(async_jobs.raises_cancelled, {}).id
+    worker = start(workers)
+    wait_until(lambda: status(done) == "done", message="the async job to be done")
+    wait_until(lambda: status(failed) == "failed", message="the async job to fail")
+    wait_until(lambda: job_row(retried)["last_error"], message="the async job to be retried")
+    wait_until(lambda: status(own) == "failed", message="the CancelledError job to fail")
+    assert "RuntimeError: async failure" in job_row(failed)["last_error"]
+    row = job_row(retried)
+    assert (row["status"], row["attempts"]) == ("queued", 1)
+    assert "RuntimeError: once more" in row["last_error"]
+    # A CancelledError the job raised itself is its failure, not a cancel: recorded, not
+    # left running.
+    assert "CancelledError" in job_row(own)["last_error"]
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+    assert "ran 4 jobs: 1 done, 1 to retry, 2 failed, 0 lost, 0 cancelled" in worker.output()
+
+
+# -- timeouts, cancels, leases ----------------------------------------------------------------
+
+
+def test_a_timeout_cancels_the_task_and_fails_the_job_with_job_timeout(
+    workers: Workers, spans: None
+) -> None:
+    job_id = Job.objects.enqueue(async_jobs.hangs, {}).id
+    worker = start(workers)
+    wait_until(lambda: status(job_id) == "failed", message="the job to time out")
+    assert "JobTimeout" in job_row(job_id)["last_error"]
+    wait_until(lambda: job_id in cancelled_tasks(), message="its task to be cancelled")
+    worker.wait_for_log("returned after its timeout; outcome not recorded")
+    # Its slot is free again: the next async job runs.
+    after = Job.objects.enqueue(async_jobs.nap, {"seconds": 0}).id
+    wait_until(lambda: status(after) == "done", message="the next job to run")
+
+
+def test_a_cancel_of_a_running_async_job_cancels_its_task(workers: Workers, spans: None) -> None:
+    job_id = Job.objects.enqueue(async_jobs.waits_for_cancel, {}).id
+    # A 3 s lease: the heartbeat that notices the cancel comes about every second.
+    worker = start(workers, "--lease", "3")
+    wait_until(lambda: status(job_id) == "running", message="the job to start")
+    assert Job.objects.cancel([job_id]) == 1
+    wait_until(lambda: job_id in cancelled_tasks(), message="its task to be cancelled")
+    worker.wait_for_log("was cancelled while running; outcome not recorded")
+    assert status(job_id) == "cancelled"
+    after = Job.objects.enqueue(async_jobs.nap, {"seconds": 0}).id
+    wait_until(lambda: status(after) == "done", message="the next job to run")
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+    assert "1 cancelled" in worker.output()
+
+
+def test_a_lost_lease_cancels_the_task_and_records_nothing(workers: Workers, spans: None) -> None:
+    job_id = Job.objects.enqueue(async_jobs.waits_for_cancel, {}).id
+    worker = start(workers, "--lease", "3")
+    wait_until(lambda: status(job_id) == "running", message="the job to start")
+    # Another claimant takes it (as the reaper would after an expired lease).
+    query("UPDATE pgjobs_job SET attempts = attempts + 1 WHERE id = %s", [job_id])
+    wait_until(lambda: job_id in cancelled_tasks(), message="its task to be cancelled")
+    worker.wait_for_log("lost its lease while running; outcome not recorded")
+    assert status(job_id) == "running"
+
+
+# -- shutdown and crashes ---------------------------------------------------------------------
+
+
+def test_sigterm_waits_for_the_running_async_jobs(workers: Workers, spans: None) -> None:
+    ids = naps(20, 2.0)
+    worker = start(workers, "--shutdown-timeout", "60")
+    wait_until(lambda: started() == 20, message="the 20 jobs to start")
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+    assert all(status(i) == "done" for i in ids)
+    assert sorted(i for i, *_ in ended()) == sorted(ids)
+    assert "ran 20 jobs: 20 done" in worker.output()
+
+
+def test_after_sigkill_the_jobs_come_back_through_their_leases_none_lost_or_doubled(
+    workers: Workers, spans: None
+) -> None:
+    # The first attempt awaits an hour; the next ones finish at once.
+    ids = naps(10, 3600, again=0.0)
+    first = start(workers, "--lease", "2")
+    wait_until(lambda: started() == 10, message="the 10 jobs to start")
+    first.send(signal.SIGKILL)
+    first.wait()
+    second = start(workers, "--lease", "2", "--reap-interval", "1", "--poll-interval", "1")
+    wait_until(lambda: counts().get("done", 0) == 10, message="the jobs to come back and finish")
+    runs = ended()
+    # Each job finished exactly once, by its second attempt.
+    assert sorted(i for i, *_ in runs) == sorted(ids)
+    assert {a for _, a, *_ in runs} == {2}
+    second.send(signal.SIGTERM)
+    assert second.wait() == 0, second.tail()
+
+
+# -- django.tasks ------------------------------------------------------------------------------
+
+
+def test_an_async_django_task_is_awaited_on_the_event_loop(workers: Workers) -> None:
+    assert registry.get("testproject.shop.tasks.double").is_async
+    result = double.enqueue(21)
+    worker = workers.start("--concurrency", "1")
+    wait_until(lambda: status(int(result.id)) == "done", message="the task to run")
+    assert double.get_result(result.id).return_value == 42
+    assert "runs async jobs on an event loop" in worker.log()
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+
+
+# -- a worker without async jobs --------------------------------------------------------------
+
+
+def test_with_only_sync_jobs_queued_the_claims_take_only_the_threads_slots(
+    workers: Workers,
+) -> None:
+    """The loop's 100 free slots do not size a claim until a claim has found an async job:
+    sync jobs are never claimed ahead of the executor threads (they would wait, running)."""
+    ids = [Job.objects.enqueue(SLEEP, {"seconds": 0.3}).id for _ in range(10)]
+    worker = start(workers, "--concurrency", "2", "--batch-size", "10")
+    most = 0
+    while counts().get("done", 0) < 10:
+        most = max(most, counts().get("running", 0))
+        assert worker.alive, worker.tail()
+        time.sleep(0.02)
+    # Two on the threads, and at most the two that just finished while their outcomes are on
+    # their way; a claim sized by the loop's slots would have taken all ten at once.
+    assert 1 <= most <= 4
+    assert all(status(i) == "done" for i in ids)
+
+
+def test_an_async_job_in_transaction_mode_runs_on_its_executor_thread(
+    workers: Workers, spans: None
+) -> None:
+    job_id = Job.objects.enqueue(async_jobs.nap, {"seconds": 0}).id
+    workers.burst("--mode", "transaction", env=ASYNC)
+    assert status(job_id) == "done"
+    assert [i for i, *_ in ended()] == [job_id]
+
+
+def test_async_concurrency_must_be_a_positive_whole_number(workers: Workers) -> None:
+    worker = workers.start("--async-concurrency", "0", env=ASYNC)
+    assert worker.wait() != 0
+    assert "async_concurrency" in worker.log()
