@@ -765,7 +765,6 @@ Connection: TypeAlias = "BaseDatabaseWrapper | psycopg.Connection[Any]"
 WRITTEN_LIMITS = 32
 
 
-@functools.cache
 def limited(statement: LiteralString, limit: int) -> LiteralString:
     """``statement`` (``CLAIM`` or ``CLAIM_IDLE``) with its ``LIMIT %(limit)s`` written in as
     the number ``limit``, so that PostgreSQL plans a worker's claims once per batch size
@@ -780,8 +779,14 @@ def limited(statement: LiteralString, limit: int) -> LiteralString:
     more than ``WRITTEN_LIMITS`` jobs keeps its bound LIMIT, planned afresh each time. The
     number is an ``int``: nothing but digits is ever written in.
     """
+    # Checked before the cache, which would take True for 1 (equal, and of equal hash).
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"a claim's limit must be a positive integer, not {limit!r}")
+    return _written_in(statement, limit)
+
+
+@functools.cache
+def _written_in(statement: LiteralString, limit: int) -> LiteralString:
     if statement.count("LIMIT %(limit)s") != 1:
         raise ValueError("limited() writes in the one LIMIT %(limit)s of a claim statement")
     if limit > WRITTEN_LIMITS:

@@ -145,11 +145,13 @@ class ClaimPlanCacheTests(TransactionTestCase):
         # Past the sizes that fit psycopg's prepared statements, the LIMIT stays bound.
         assert f"LIMIT {sql.WRITTEN_LIMITS}\n" in sql.limited(sql.CLAIM, sql.WRITTEN_LIMITS)
         assert sql.limited(sql.CLAIM, sql.WRITTEN_LIMITS + 1) == sql.CLAIM
+        sql.limited(sql.CLAIM, 1)  # cached: True, equal to 1, must not find it there
         for bad in (0, -1, True, 2.0, "3"):
             with self.subTest(limit=bad), pytest.raises(ValueError, match="positive integer"):
                 sql.limited(sql.CLAIM, bad)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="one LIMIT"):
-            sql.limited(sql.COMPLETE, 3)
+        for size in (3, sql.WRITTEN_LIMITS + 1):
+            with pytest.raises(ValueError, match="one LIMIT"):
+                sql.limited(sql.COMPLETE, size)
 
 
 def line_of(plan: list[str], pattern: str) -> int:
