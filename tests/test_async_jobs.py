@@ -126,34 +126,45 @@ def test_the_async_concurrency_caps_how_many_run_at_once(workers: Workers, spans
     assert 1 < most_at_once([(s, e) for *_, s, e in ended()]) <= 3
 
 
-def test_async_jobs_waiting_for_a_slot_of_the_loop_keep_their_leases(
-    workers: Workers, spans: None
-) -> None:
-    """A claim sized by the free threads brings more async jobs than the loop's one slot;
-    those waiting for it past their 2 s lease are heartbeated, so no reap takes them back."""
-    ids = naps(5, 1.5)
-    worker = start(
-        workers,
-        "--concurrency",
-        "4",
-        "--async-concurrency",
-        "1",
-        "--lease",
-        "2",
-        "--reap-interval",
-        "1",
-        "--poll-interval",
-        "1",
+def test_no_async_job_is_claimed_beyond_the_loops_room(workers: Workers, spans: None) -> None:
+    """A claim cannot choose its mix of sync and async jobs, so it takes no more than both
+    the executors and the loop have free: with the loop full, only sync jobs are claimed,
+    and the async ones stay queued for this worker's next room, or another worker's."""
+    blocked = [Job.objects.enqueue(async_jobs.waits_for_cancel, {}).id for _ in range(20)]
+    worker = start(workers, "--concurrency", "4", "--async-concurrency", "3", "--lease", "3")
+    wait_until(lambda: counts().get("running") == 3, message="three async jobs to fill the loop")
+    # A sync job runs while the loop is full: the claims that came after it filled took
+    # only what the executors could run.
+    after = Job.objects.enqueue(noop, {}).id
+    wait_until(lambda: status(after) == "done", message="the sync job to run")
+    assert counts() == {"running": 3, "queued": 17, "done": 1}, counts()
+    # A freed slot of the loop takes one more async job, and no more.
+    running = [i for i in blocked if status(i) == "running"]
+    assert Job.objects.cancel(running[:1]) == 1
+    wait_until(lambda: counts().get("queued") == 16, message="the next async job to start")
+    second = Job.objects.enqueue(noop, {}).id
+    wait_until(lambda: status(second) == "done", message="the second sync job to run")
+    assert counts() == {"running": 3, "queued": 16, "done": 2, "cancelled": 1}, counts()
+    worker.kill()
+
+
+def test_sync_jobs_are_not_claimed_beyond_the_free_executors(workers: Workers, spans: None) -> None:
+    """With async jobs about (the loop has room), a claim still takes no more jobs than the
+    executors have free: sync jobs behind a busy thread stay queued, not leased unheartbeated."""
+    Job.objects.enqueue(async_jobs.nap, {"seconds": 0})
+    first = Job.objects.enqueue(async_jobs.waits_for_cancel, {}).id
+    gate = [Job.objects.enqueue(SLEEP, {"seconds": 600}).id for _ in range(6)]
+    worker = start(workers, "--concurrency", "1", "--async-concurrency", "10", "--lease", "3")
+    wait_until(lambda: status(first) == "running", message="the async job to start")
+    wait_until(
+        lambda: sum(status(i) == "running" for i in gate) == 1, message="one sync job to start"
     )
-    wait_until(lambda: counts().get("done", 0) == 5, message="the 5 jobs to finish")
-    runs = ended()
-    assert sorted(i for i, *_ in runs) == sorted(ids)
-    assert {a for _, a, *_ in runs} == {1}
-    assert most_at_once([(s, e) for *_, s, e in runs]) == 1
-    worker.send(signal.SIGTERM)
-    assert worker.wait() == 0, worker.tail()
-    assert "ran 5 jobs: 5 done, 0 to retry, 0 failed, 0 lost" in worker.output()
-    assert "0 reaped" in worker.output()
+    # An async job enqueued now still finds room: the claims go on, sync-free.
+    late = Job.objects.enqueue(async_jobs.nap, {"seconds": 0}).id
+    wait_until(lambda: status(late) == "done", message="the late async job to run")
+    assert sum(status(i) == "running" for i in gate) == 1
+    assert sum(status(i) == "queued" for i in gate) == 5
+    worker.kill()
 
 
 def test_sync_and_async_jobs_of_one_queue_each_run_where_they_belong(

@@ -20,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from django_pgjobs import sql
 from django_pgjobs.context import JobContext
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
@@ -41,9 +42,17 @@ class LeaseMode:
         # The queues whose latest claim, made while busy, left suspects out.
         self.skipped: set[str] = set()
 
-    def dispatch(self, queue_name: str, wanted: int, guarded: bool = False) -> int:
+    def dispatch(
+        self,
+        queue_name: str,
+        wanted: int,
+        guarded: bool = False,
+        tasks: sql.TextArray | None = None,
+    ) -> int:
         """Claim up to ``wanted`` jobs of ``queue_name`` and hand them out; return how many.
         ``guarded``: through the guarded claim (the queue has a limit, or jobs with lock keys).
+        ``tasks``: only jobs of these tasks (the worker's sync or async ones, when only the
+        executors or only the event loop have room).
 
         Jobs of a claim that returns after stop was requested are given back instead, not
         started and their attempt not counted. The decision is taken here, as the claim
@@ -54,14 +63,16 @@ class LeaseMode:
         the same in two statements: one job first, then the rest.
         """
         if self.completer.held():
-            return self._claim(queue_name, wanted, suspects=False, guarded=guarded)
+            return self._claim(queue_name, wanted, suspects=False, guarded=guarded, tasks=tasks)
         self.skipped.discard(queue_name)
         if not guarded and wanted > 1:
-            return self._claim(queue_name, wanted, suspects=True, idle=True)
-        first = self._claim(queue_name, 1, suspects=True, guarded=guarded)
+            return self._claim(queue_name, wanted, suspects=True, idle=True, tasks=tasks)
+        first = self._claim(queue_name, 1, suspects=True, guarded=guarded, tasks=tasks)
         if not first or self.solo is not None or wanted == 1 or self.stopping.is_set():
             return first
-        return first + self._claim(queue_name, wanted - 1, suspects=False, guarded=guarded)
+        return first + self._claim(
+            queue_name, wanted - 1, suspects=False, guarded=guarded, tasks=tasks
+        )
 
     def _claim(
         self,
@@ -71,6 +82,7 @@ class LeaseMode:
         suspects: bool,
         guarded: bool = False,
         idle: bool = False,
+        tasks: sql.TextArray | None = None,
     ) -> int:
         jobs = self.store.claim(
             queue_name,
@@ -80,6 +92,7 @@ class LeaseMode:
             suspects=suspects,
             guarded=guarded,
             idle=idle,
+            tasks=tasks,
         )
         if not suspects or (idle and jobs and not any(job.crashes for job in jobs)):
             # Suspects were (or may have been) left out of this claim.

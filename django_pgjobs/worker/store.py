@@ -64,7 +64,10 @@ class Store:
         suspects: bool = True,
         guarded: bool = False,
         idle: bool = False,
+        tasks: sql.TextArray | None = None,
     ) -> list[ClaimedJob]:
+        """Claim through ``lifecycle.claim``; ``tasks``, when given, narrows the claim to
+        those tasks instead of the store's own (the worker's registry, or any)."""
         connection, commit = self._connection()
         return lifecycle.claim(
             connection,
@@ -74,7 +77,7 @@ class Store:
             worker_id=worker_id,
             synchronous_commit=commit,
             suspects=suspects,
-            tasks=self._tasks,
+            tasks=self._tasks if tasks is None else tasks,
             guarded=guarded,
             idle=idle,
         )

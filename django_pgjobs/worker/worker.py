@@ -30,7 +30,7 @@ import psycopg
 from django.db import DatabaseError, connections
 
 import django_pgjobs
-from django_pgjobs import conf, lifecycle, registry, schedules, validation
+from django_pgjobs import conf, lifecycle, registry, schedules, sql, validation
 from django_pgjobs.connections import connection_params
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.lifecycle import default_worker_id
@@ -126,6 +126,8 @@ class Worker:
         # loop runs some) do the loop's free slots size the claims, so a worker whose queue
         # holds only sync jobs claims exactly as if it had no loop.
         self._async_seen = False
+        self._sync_tasks: sql.TextArray | None = None
+        self._async_tasks: sql.TextArray | None = None
         self.registered_only = (
             conf.claim_registered_only()
             if registered_only is None
@@ -348,6 +350,14 @@ class Worker:
         if self._lease_mode is not None and any(
             registry.runs_async(name) for name in registry.names()
         ):
+            # The tasks of each side, for a claim when only the executors or only the loop
+            # have room (the registry's: a job of an unregistered task waits for both).
+            self._sync_tasks = sql.TextArray.of(
+                name for name in registry.names() if not registry.runs_async(name)
+            )
+            self._async_tasks = sql.TextArray.of(
+                name for name in registry.names() if registry.runs_async(name)
+            )
             self._loop = EventLoop(
                 self._lease_mode, self.async_concurrency, on_done=self._async_done
             )
@@ -588,15 +598,33 @@ class Worker:
             self.stop()
 
     def _free(self) -> int:
-        """Free slots for the next claim: the executors', and the event loop's when the
-        latest claims found async jobs."""
-        free = sum(self._slots.values()) - (self._inflight - self._async_inflight)
-        return free + self._loop_free()
+        """How many jobs the next round may claim, over every pool (``_room()``)."""
+        return sum(self._room(pool)[0] for pool in self._slots)
 
-    def _loop_free(self) -> int:
-        if self._loop is None or not (self._async_seen or self._async_inflight):
-            return 0
-        return max(0, self.async_concurrency - self._async_inflight)
+    def _room(self, pool: str) -> tuple[int, sql.TextArray | None]:
+        """How many jobs a claim for a queue of ``pool`` may take, and of which tasks (None:
+        any the worker claims).
+
+        A claim cannot choose how many of its jobs are sync and how many async, so with an
+        event loop it takes no more than both the pool's executor slots and the loop have
+        free: whatever the mix, no job waits for room, leased but not running. When only
+        one side has room, the claim takes only that side's tasks (the loop's only while
+        the latest claims found async jobs, or the loop runs some: a worker whose queues
+        hold sync jobs only claims as it would without a loop). An async job under a
+        queue's own slots takes one of them as well as one of the loop's."""
+        with self._lock:
+            threads = self._slots[pool] - self._busy[pool]
+            if self._loop is None:
+                return threads, None
+            loop = self.async_concurrency - self._async_inflight
+            async_likely = self._async_seen or self._async_inflight > 0
+        if threads > 0 and loop > 0:
+            return min(threads, loop), None
+        if threads > 0:
+            return threads, self._sync_tasks
+        if loop > 0 and async_likely and pool == SHARED:
+            return loop, self._async_tasks
+        return 0, None
 
     def _pool(self, queue_name: str) -> str:
         """The slots a queue's jobs run in: its own, or the shared ones."""
@@ -680,15 +708,17 @@ class Worker:
             if self.stopping.is_set():
                 break
             queue_name = self.queues[(self._next_queue + offset) % len(self.queues)]
-            pool = self._pool(queue_name)
-            with self._lock:
-                free = self._slots[pool] - self._busy[pool]
-                if pool == SHARED:
-                    free += self._loop_free()
-            asked = min(free, budget - got)
+            room, tasks = self._room(self._pool(queue_name))
+            asked = min(room, budget - got)
             if asked <= 0:
                 continue
-            found = self._mode.dispatch(queue_name, asked, queue_name in self._guarded)
+            guarded = queue_name in self._guarded
+            if tasks is None:
+                found = self._mode.dispatch(queue_name, asked, guarded)
+            else:
+                # Only a lease-mode worker has an event loop.
+                assert self._lease_mode is not None
+                found = self._lease_mode.dispatch(queue_name, asked, guarded, tasks)
             self.stats.add("claimed", found)
             if self.metrics is not None:
                 self.metrics.claimed(found)
