@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from asgiref.sync import SyncToAsync
 from django.conf import settings
 from django.db import connection
 
@@ -34,7 +35,13 @@ def _threads_finish() -> Iterator[None]:
     # stop it, so its connection does not outlive the test (nor block dropping the database).
     notifier.shutdown()
     wait_until(
-        lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
+        lambda: (
+            not [
+                t
+                for t in threading.enumerate()
+                if t not in before and t.is_alive() and t not in process_wide()
+            ]
+        ),
         message="the test's threads to finish",
     )
 
@@ -56,3 +63,10 @@ def _server_past_its_first_minute(django_db_setup: None, django_db_blocker: Any)
     wait = REAP_SETTLE.total_seconds() + 1 - age
     if wait > 0:
         time.sleep(wait)
+
+
+def process_wide() -> set[threading.Thread]:
+    """Threads that live as long as the process, not a test: asgiref's one sync_to_async
+    thread, where async jobs' ORM calls run (the worker closes its connections there)."""
+    executor = SyncToAsync.single_thread_executor
+    return set(getattr(executor, "_threads", ()))

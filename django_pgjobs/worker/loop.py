@@ -19,6 +19,9 @@ import logging
 import threading
 from collections.abc import Callable
 
+from asgiref.sync import sync_to_async
+from django.db import connections
+
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.lease import LeaseMode
 
@@ -55,6 +58,19 @@ class EventLoop(threading.Thread):
         """Stop the loop once its jobs have ended (the worker waited for them, or gave up
         waiting: their leases are ended and the process exits)."""
         if self.is_alive():
+            # The async jobs' ORM calls ran on asgiref's sync_to_async thread, one per
+            # process, which outlives the worker: close the connections they opened there.
+            closing = asyncio.run_coroutine_threadsafe(
+                sync_to_async(connections.close_all)(), self.loop
+            )
+            try:
+                closing.result(timeout=5.0)
+            except Exception:
+                logger.warning(
+                    "could not close the async jobs' database connections",
+                    exc_info=True,
+                    extra={"action": "shutdown"},
+                )
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.join(timeout=5.0)
 
