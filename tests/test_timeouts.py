@@ -161,15 +161,19 @@ def test_a_shutdown_does_not_wait_for_a_job_that_times_out_during_it(workers: Wo
     assert "(1 still stuck)" in worker.log()
 
 
+def state(job_id: int) -> tuple[str, int]:
+    """The job's status and attempts, from one read of its row (a status read before a claim
+    beside attempts read after it would look like a failed attempt already written)."""
+    row = job_row(job_id)
+    return row["status"], row["attempts"]
+
+
 def test_a_backoff_that_raises_system_exit_does_not_stop_the_completer(workers: Workers) -> None:
     stuck = Job.objects.enqueue(stuck_with_an_exiting_backoff, {"email": "stuck"}, timeout=1).id
     worker = workers.start("--concurrency", "1", "--lease", "5", test_jobs=True)
     # The timeout's failure is written, retried on the default schedule (the callable's
     # SystemExit logged), and the worker goes on running jobs.
-    wait_until(
-        lambda: (job_row(stuck)["status"], job_row(stuck)["attempts"]) == ("queued", 1),
-        message="the timeout to fail it",
-    )
+    wait_until(lambda: state(stuck) == ("queued", 1), message="the timeout to fail it")
     assert latest_error(stuck)[0] == "django_pgjobs.exceptions.JobTimeout"
     behind = write_order.enqueue(email="behind").id
     wait_until(lambda: job_row(behind)["status"] == "done", message="the job behind to run")
