@@ -152,9 +152,10 @@ class LeaseMode:
         its ``slots`` is free: the same heartbeat, timeout and fence; what stops a sync job's
         attempt (a timeout, a cancel, a lost lease) also cancels this job's task.
 
-        A claim may bring more async jobs than the loop has free slots (its size counts the
-        free executors too): the job waiting for a slot is heartbeated already, so its lease
-        holds, and a cancel meanwhile means it never starts."""
+        A claim takes no more async jobs than the loop has free slots, but a slot may free
+        later than its job was counted done (a task finishing its cancel): a job waiting for
+        one is heartbeated already, so its lease holds, and a cancel meanwhile means it never
+        starts."""
         if not self.completer.holds(job):
             return
         ctx = context(job)

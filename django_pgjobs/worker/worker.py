@@ -123,8 +123,8 @@ class Worker:
         # Async jobs handed to the loop and not yet ended (counted at hand-out).
         self._async_inflight = 0
         # Whether the latest claim that found jobs found async ones: only then (or while the
-        # loop runs some) do the loop's free slots size the claims, so a worker whose queue
-        # holds only sync jobs claims exactly as if it had no loop.
+        # loop runs some) does a worker whose executors are all busy claim async jobs alone,
+        # so a worker whose queues hold only sync jobs claims as if it had no loop.
         self._async_seen = False
         self._sync_tasks: sql.TextArray | None = None
         self._async_tasks: sql.TextArray | None = None
@@ -656,12 +656,12 @@ class Worker:
 
     def _hand_out(self, *items: Any) -> None:
         loop = self._loop
-        if loop is None:
-            on_loop: list[Any] = []
-            on_threads = items
-        else:
-            on_loop = [item for item in items if registry.runs_async(item.task)]
-            on_threads = tuple(item for item in items if not registry.runs_async(item.task))
+        on_loop: list[Any] = []
+        on_threads: Sequence[Any] = items
+        if loop is not None:
+            on_threads = []
+            for item in items:
+                (on_loop if registry.runs_async(item.task) else on_threads).append(item)
         with self._lock:
             self._inflight += len(items)
             for item in on_threads:
