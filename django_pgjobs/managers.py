@@ -84,16 +84,15 @@ class _Columns:
 @functools.cache
 def _columns(model: type[models.Model]) -> _Columns:
     fields = model._meta.concrete_fields
-    factories = [
-        (i, field.default)
-        for i, field in enumerate(fields)
-        if field.has_default() and callable(field.default)
-    ]
+    # A field without a default has Django's NOT_PROVIDED there, a class: callable too.
+    called = {
+        i for i, field in enumerate(fields) if field.has_default() and callable(field.default)
+    }
     return _Columns(
         [field.attname for field in fields],
         {field.attname: i for i, field in enumerate(fields)},
-        [None if callable(field.default) else field.get_default() for field in fields],
-        factories,
+        [None if i in called else field.get_default() for i, field in enumerate(fields)],
+        [(i, fields[i].default) for i in sorted(called)],
     )
 
 

@@ -773,7 +773,8 @@ def limited(statement: LiteralString, limit: int) -> LiteralString:
     A prepared statement gets a custom plan for each execution until its generic plan
     (planned without the parameters' values) looks as cheap. A bound LIMIT makes the generic
     plan guess that a tenth of the table is claimed (a hash join over a sequential scan), so
-    that never happened: every claim was planned afresh, a third of its server time. With
+    that never happened: every claim was planned afresh (a claim and its complete cost the
+    server about a fifth less CPU without it: docs/internals/performance.md). With
     the number in the text the generic plan is the custom one, and PostgreSQL keeps it from
     the sixth claim of each size on (psycopg prepares one statement per size). A claim of
     more than ``WRITTEN_LIMITS`` jobs keeps its bound LIMIT, planned afresh each time. The
