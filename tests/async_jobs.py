@@ -1,22 +1,31 @@
 """``async def`` jobs for tests.test_async_jobs, imported by the workers those tests start
 (``PGJOBS_IMPORTS=tests.async_jobs``): the other test workers have no async job and no event
 loop. Each records what it did in the table ``test_async_span`` (the test module creates it)
-through the ORM on Django's sync_to_async thread: the loop's own thread must not block."""
+through the ORM on Django's sync_to_async thread: the loop's own thread must not block (but
+one job here blocks it on purpose). With ``PGJOBS_TEST_ASYNC_STARTED`` set, a ``job_started``
+receiver records each start through the sync ORM."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from datetime import timedelta
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import connections
 
 from django_pgjobs import current_job, job
+from django_pgjobs.signals import job_started
 
 SPANS = "test_async_span"
 # The end a job records when its task was cancelled.
 CANCELLED = -1.0
+# The end the job_started receiver records.
+STARTED = -2.0
+# The end writes_then_fails records before it fails.
+WRITTEN = -3.0
 
 
 def _record(job_id: int, attempts: int, started: float, ended: float | None) -> None:
@@ -28,6 +37,15 @@ def _record(job_id: int, attempts: int, started: float, ended: float | None) -> 
 
 
 record = sync_to_async(_record)
+
+
+def _started(sender: Any, job: Any, **named: Any) -> None:
+    """A sync receiver that queries: it must not run on the event loop's thread."""
+    _record(job.id, job.attempts, 0.0, STARTED)
+
+
+if os.environ.get("PGJOBS_TEST_ASYNC_STARTED"):
+    job_started.connect(_started)
 
 
 @job
@@ -82,3 +100,18 @@ async def waits_for_cancel() -> None:
     except asyncio.CancelledError:
         await record(ctx.id, ctx.attempts, 0.0, CANCELLED)
         raise
+
+
+@job(max_attempts=1, timeout=timedelta(seconds=1))
+async def blocks_the_loop() -> None:
+    """Blocks the event loop's thread (a sync sleep in an async job) far past its timeout."""
+    time.sleep(3600)
+
+
+@job(max_attempts=1)
+async def writes_then_fails() -> None:
+    """Writes through the async ORM, then fails: in transaction mode the write is undone."""
+    ctx = current_job()
+    assert ctx is not None
+    await record(ctx.id, ctx.attempts, 0.0, WRITTEN)
+    raise RuntimeError("fails after its write")

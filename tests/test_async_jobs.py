@@ -19,7 +19,17 @@ from testproject.shop.tasks import double
 from testproject.testjobs import noop
 from tests import async_jobs
 from tests.helpers import job_row, wait_until
-from tests.workers import SLEEP, Process, Workers, counts, query, scalar
+from tests.workers import (
+    SLEEP,
+    Process,
+    Workers,
+    assert_nobody_was_blamed,
+    counts,
+    listener_backends,
+    query,
+    scalar,
+    terminate,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -277,6 +287,91 @@ def test_after_sigkill_the_jobs_come_back_through_their_leases_none_lost_or_doub
     assert second.wait() == 0, second.tail()
 
 
+def test_a_second_sigterm_stops_at_once_and_the_jobs_come_back_without_a_crash(
+    workers: Workers, spans: None
+) -> None:
+    ids = naps(5, 3600, again=0.0)
+    first = start(workers, "--shutdown-timeout", "3600")
+    wait_until(lambda: started() == 5, message="the 5 jobs to start")
+    first.send(signal.SIGTERM)
+    first.wait_for_log("signal again to exit now")
+    first.send(signal.SIGTERM)
+    assert first.wait() != 0
+    # Their leases were ended on the way out: running, but already expired.
+    rows = [job_row(i) for i in ids]
+    assert {r["status"] for r in rows} == {"running"}
+    assert scalar("SELECT count(*) FROM pgjobs_job WHERE locked_until <= now()") == 5
+    second = start(workers, "--reap-interval", "1", "--poll-interval", "1")
+    wait_until(lambda: counts().get("done", 0) == 5, message="the jobs to come back and finish")
+    # Each ran to its end once, by its second attempt, and no crash was counted: a hard stop
+    # is no worker death.
+    assert sorted(i for i, *_ in ended()) == sorted(ids)
+    assert query("SELECT DISTINCT attempts, crashes FROM pgjobs_job") == [(2, 0)]
+    second.send(signal.SIGTERM)
+    assert second.wait() == 0, second.tail()
+
+
+def test_async_jobs_whose_queries_meet_an_outage_are_released_and_run_again(
+    workers: Workers, spans: None
+) -> None:
+    """Every async job's ORM query runs on asgiref's one sync_to_async thread, on one
+    connection that outlives them all: once it is dropped, the jobs that meet it are released
+    (not blamed), and the connection is mended for the next ones."""
+    ids = naps(10, 2.0)
+    worker = start(workers, "--poll-interval", "1")
+    wait_until(lambda: started() == 10, message="the 10 jobs to start")
+    # Every connection of the worker, the async jobs' one included: each job's closing record
+    # runs into it.
+    assert terminate(worker.backends() + listener_backends()) >= 3
+    later = naps(5, 0.0)
+    wait_until(
+        lambda: (
+            all(status(i) == "done" or job_row(i)["last_error"] for i in ids + later)
+            or not worker.alive
+        ),
+        message="every job to be done, or blamed",
+    )
+    assert worker.alive, worker.tail()
+    assert_nobody_was_blamed(15)
+    assert "met a database outage; releasing it (attempt not counted)" in worker.log()
+    # Each finished once: the released attempts' records never landed.
+    assert sorted(i for i, *_ in ended()) == sorted(ids + later)
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+
+
+def test_an_async_job_blocking_the_loop_past_its_timeout_makes_the_worker_exit_75(
+    workers: Workers, spans: None
+) -> None:
+    ids = naps(3, 3600, again=0.0)
+    blocker = Job.objects.enqueue(async_jobs.blocks_the_loop, {}).id
+    worker = start(workers, "--poll-interval", "1", "--shutdown-timeout", "1")
+    assert worker.wait() == 75, worker.tail()
+    assert "its event loop has not run for" in worker.log()
+    # The blocker's timeout failed it; the jobs frozen behind it were given back through their
+    # ended leases, and run to their end elsewhere.
+    row = job_row(blocker)
+    assert row["status"] == "failed" and "JobTimeout" in str(row["last_error"]), row
+    second = start(workers, "--reap-interval", "1", "--poll-interval", "1")
+    wait_until(lambda: all(status(i) == "done" for i in ids), message="the naps to finish")
+    assert query("SELECT DISTINCT crashes FROM pgjobs_job WHERE id = ANY(%s)", [ids]) == [(0,)]
+    second.send(signal.SIGTERM)
+    assert second.wait() == 0, second.tail()
+
+
+def test_a_job_started_receiver_of_an_async_job_runs_off_the_loop_and_may_query(
+    workers: Workers, spans: None
+) -> None:
+    job_id = Job.objects.enqueue(async_jobs.nap, {"seconds": 0}).id
+    workers.burst("--concurrency", "1", env={**ASYNC, "PGJOBS_TEST_ASYNC_STARTED": "1"})
+    assert status(job_id) == "done"
+    # The receiver's sync query ran (on the loop's thread it would raise
+    # SynchronousOnlyOperation, logged and lost).
+    assert query(
+        f"SELECT job_id, attempts FROM {async_jobs.SPANS} WHERE ended = %s", [async_jobs.STARTED]
+    ) == [(job_id, 1)]
+
+
 # -- django.tasks ------------------------------------------------------------------------------
 
 
@@ -319,6 +414,19 @@ def test_an_async_job_in_transaction_mode_runs_on_its_executor_thread(
     workers.burst("--mode", "transaction", env=ASYNC)
     assert status(job_id) == "done"
     assert [i for i, *_ in ended()] == [job_id]
+
+
+def test_in_transaction_mode_an_async_jobs_orm_writes_are_part_of_its_transaction(
+    workers: Workers, spans: None
+) -> None:
+    failing = Job.objects.enqueue(async_jobs.writes_then_fails, {}).id
+    passing = Job.objects.enqueue(async_jobs.nap, {"seconds": 0}).id
+    workers.burst("--mode", "transaction", env=ASYNC)
+    assert (status(failing), status(passing)) == ("failed", "done")
+    # The failed job's write was rolled back with its savepoint; the done one's committed.
+    written = query(f"SELECT job_id FROM {async_jobs.SPANS} WHERE ended = %s", [async_jobs.WRITTEN])
+    assert written == []
+    assert [i for i, *_ in ended()] == [passing]
 
 
 def test_async_concurrency_must_be_a_positive_whole_number(workers: Workers) -> None:

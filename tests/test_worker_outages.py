@@ -20,6 +20,7 @@ from tests.helpers import PATIENCE, job_row, raw_connect, wait_until
 from tests.workers import (
     Process,
     Workers,
+    assert_nobody_was_blamed,
     count_orders,
     counts,
     done,
@@ -34,38 +35,6 @@ from tests.workers import (
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-# What a job blamed for the database's absence would carry in last_error or errors.
-OUTAGE_TEXTS = [
-    "%OperationalError%",
-    "%InterfaceError%",
-    "%server closed%",
-    "%terminating connection%",
-    "%connection is closed%",
-    "%read-only transaction%",
-    "%ReadOnlySqlTransaction%",
-]
-
-
-def assert_nobody_was_blamed(total: int) -> None:
-    """Every job done; none failed or saddled with the outage; attempts counted only for a
-    job whose claim was lost with a dropped connection (the reaper notes 'lease expired')."""
-    assert counts() == {"done": total}
-    assert (
-        scalar(
-            "SELECT count(*) FROM pgjobs_job WHERE last_error ILIKE ANY(%s) "
-            "OR errors::text ILIKE ANY(%s)",
-            [OUTAGE_TEXTS, OUTAGE_TEXTS],
-        )
-        == 0
-    )
-    assert (
-        query(
-            "SELECT id, attempts, last_error FROM pgjobs_job "
-            "WHERE attempts <> 1 AND last_error IS DISTINCT FROM 'lease expired'"
-        )
-        == []
-    )
 
 
 def worker_connections(worker: Process) -> list[int]:

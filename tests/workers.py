@@ -434,6 +434,39 @@ def listener_backends() -> list[int]:
     ]
 
 
+# What a job blamed for the database's absence would carry in last_error or errors.
+OUTAGE_TEXTS = [
+    "%OperationalError%",
+    "%InterfaceError%",
+    "%server closed%",
+    "%terminating connection%",
+    "%connection is closed%",
+    "%read-only transaction%",
+    "%ReadOnlySqlTransaction%",
+]
+
+
+def assert_nobody_was_blamed(total: int) -> None:
+    """Every job done; none failed or saddled with the outage; attempts counted only for a
+    job whose claim was lost with a dropped connection (the reaper notes 'lease expired')."""
+    assert counts() == {"done": total}
+    assert (
+        scalar(
+            "SELECT count(*) FROM pgjobs_job WHERE last_error ILIKE ANY(%s) "
+            "OR errors::text ILIKE ANY(%s)",
+            [OUTAGE_TEXTS, OUTAGE_TEXTS],
+        )
+        == 0
+    )
+    assert (
+        query(
+            "SELECT id, attempts, last_error FROM pgjobs_job "
+            "WHERE attempts <> 1 AND last_error IS DISTINCT FROM 'lease expired'"
+        )
+        == []
+    )
+
+
 def terminate(pids: list[int]) -> int:
     """pg_terminate_backend each pid; return how many were terminated."""
     if not pids:

@@ -86,6 +86,42 @@ def queue_database_away(exc: BaseException, alias: str, before: QueueConnection)
     replaced = now.opened - before.opened >= (1 if before.connection is not None else 2)
     if replaced or (now.connection is not None and now.connection.broken):
         return True
+    return probe_away(alias)
+
+
+# Broken connections ``async_database_away()`` has dropped, per alias, on the sync_to_async
+# thread (only that thread writes; any thread may read).
+_async_mended: Counter[str] = Counter()
+
+
+def async_mended(alias: str) -> int:
+    """How many broken connections to ``alias`` the async jobs' thread has had dropped so far
+    (read as an async job starts, for ``async_database_away()``)."""
+    return _async_mended[alias]
+
+
+def async_database_away(alias: str, mended: int) -> bool:
+    """``queue_database_away()`` for an async job whose error says a database is unavailable,
+    called on asgiref's ``sync_to_async`` thread, where the async ORM calls of every async job
+    of the process run, on one connection per alias that outlives them all. ``mended``:
+    ``async_mended()`` as the job started.
+
+    Nothing tidies that thread between jobs, so what broke is mended here: a broken
+    connection is dropped (the next query opens a fresh one), and a broken connection to the
+    queue's database is the outage; so is one dropped since the job started (the jobs that
+    met the same broken connection learn it from the first one to look). Otherwise a fresh
+    connection decides, as for a sync job."""
+    connection = connections[alias].connection
+    if connection is not None and connection.broken:
+        reset(alias)
+        _async_mended[alias] += 1
+    tidy()
+    return _async_mended[alias] != mended or probe_away(alias)
+
+
+def probe_away(alias: str) -> bool:
+    """Whether a fresh connection to ``alias`` cannot be opened in 5 s, or finds a server
+    that cannot write (a standby after a failover)."""
     try:
         with psycopg.connect(
             **connection_params(alias, "pgjobs-probe"), autocommit=True, connect_timeout=5

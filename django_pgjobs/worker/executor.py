@@ -8,8 +8,6 @@ called with the payload as keyword arguments, and the outcome that follows.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import queue
 import threading
@@ -20,6 +18,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
+from asgiref.sync import async_to_sync, sync_to_async
 from django.db import connections, transaction
 
 from django_pgjobs import registry, signals, validation
@@ -27,7 +26,13 @@ from django_pgjobs.context import JobContext, reset_current_job, set_current_job
 from django_pgjobs.exceptions import InvalidPayload, JobTimeout, Snooze, UnknownTask
 from django_pgjobs.lifecycle import ClaimedJob, Failure
 from django_pgjobs.registry import JobFunction
-from django_pgjobs.worker.db import QueueConnection, queue_connection, queue_database_away
+from django_pgjobs.worker.db import (
+    async_database_away,
+    async_mended,
+    queue_connection,
+    queue_database_away,
+    unavailable,
+)
 from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, SNOOZE, Outcome, WorkerStats
 from django_pgjobs.worker.store import Store
 
@@ -76,7 +81,8 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     because the queue's own database (``alias``) went away is released, its attempt not
     counted, up to ``MAX_OUTAGE_RELEASES`` times. A payload that is not a JSON object fails
     the job for good, at once. An ``async def`` job met here (transaction mode, which runs
-    every job on its executor thread) runs to its end on an event loop of its own.
+    every job on its executor thread) runs to its end through ``async_to_sync``: its async ORM
+    calls come back to this thread, so they run in the job's transaction like its sync ones.
     """
     refused = invalid(job)
     if refused is not None:
@@ -87,18 +93,23 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     started = time.perf_counter()
     try:
         func = begin(job, alias)
-        value = func.func(**job.payload)
-        if inspect.iscoroutine(value):
-            value = asyncio.run(value)
+        if func.async_func is None:
+            value = func.func(**job.payload)
+        else:
+            value = async_to_sync(func.async_func)(**job.payload)
         return returned(job, func, value, started)
     except BaseException as exc:
-        return raised(job, func, exc, alias, before, started)
+        return raised(job, func, exc, queue_database_away(exc, alias, before), started)
     finally:
         reset_current_job(token)
 
 
 async def acall(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     """``call()`` for an ``async def`` job, awaited on the worker's event loop.
+
+    What blocks runs on asgiref's ``sync_to_async`` thread, never on the loop's: the
+    ``job_started`` receivers (sync code, which may query), and after an error that says the
+    database is unavailable, the look at the queue's database (``async_database_away()``).
 
     A ``CancelledError`` is the job's failure like any other error: when the worker cancelled
     the job's task (a timeout, a cancel, a lost lease), its context says so and the outcome
@@ -108,16 +119,19 @@ async def acall(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
         return refused
     token = set_current_job(ctx)
     func = None
-    before = queue_connection(alias)
+    mended = async_mended(alias)
     started = time.perf_counter()
     try:
-        func = begin(job, alias)
+        func = registry.get(job.task)
         if func.async_func is None:
             raise TypeError(f"{job.task} is not an async job")
+        if signals.job_started.receivers and not func.stores_result:
+            await sync_to_async(started_signal)(job, alias)
         value = await func.async_func(**job.payload)
         return returned(job, func, value, started)
     except BaseException as exc:
-        return raised(job, func, exc, alias, before, started)
+        away = unavailable(exc) and await sync_to_async(async_database_away)(alias, mended)
+        return raised(job, func, exc, away, started)
     finally:
         reset_current_job(token)
 
@@ -151,17 +165,16 @@ def raised(
     job: ClaimedJob,
     func: JobFunction[..., Any] | None,
     exc: BaseException,
-    alias: str,
-    before: QueueConnection,
+    away: bool,
     started: float,
 ) -> Outcome:
     """The outcome of a job that raised ``exc``: snoozed, released after an outage of the
-    queue's database, or failed."""
+    queue's database (``away``: the error came from one), or failed."""
     duration = time.perf_counter() - started
     if isinstance(exc, Snooze):
         return Outcome(job, SNOOZE, duration, delay=exc.seconds)
     failure = Failure.from_exception(exc)
-    if queue_database_away(exc, alias, before):
+    if away:
         if job.outage_releases < MAX_OUTAGE_RELEASES:
             logger.warning(
                 "job %s %s attempt %s met a database outage; releasing it (attempt not counted)",

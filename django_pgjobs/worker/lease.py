@@ -165,6 +165,10 @@ class LeaseMode:
                 if not self.completer.holds(job):
                     return
                 ctx.on_stop = _canceller()
+                if ctx.should_stop:
+                    # Cancelled (or its lease lost) after the look above, before the
+                    # canceller was in place: that stop cancelled nothing, so heed it here.
+                    return
                 # Its timeout starts now.
                 self.completer.track(job, ctx)
                 outcome = await acall(job, ctx, self.store.alias)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from asgiref.sync import sync_to_async
@@ -42,6 +43,8 @@ class EventLoop(threading.Thread):
         self._slots = asyncio.Semaphore(concurrency)
         # The tasks running or waiting for a slot (the loop keeps only weak references).
         self._tasks: set[asyncio.Task[None]] = set()
+        # When the oldest ping() not yet answered by the loop was sent (None: all answered).
+        self._pinged: float | None = None
 
     def run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -53,6 +56,23 @@ class EventLoop(threading.Thread):
     def submit(self, job: ClaimedJob) -> None:
         """Run ``job`` on the loop (called from the producer's thread)."""
         self.loop.call_soon_threadsafe(self._start, job)
+
+    def ping(self) -> None:
+        """Ask the loop to answer as soon as it runs (called after a cancel was sent to one of
+        its tasks: the answer comes after the cancel was delivered)."""
+        if self._pinged is None:
+            self._pinged = time.monotonic()
+            self.loop.call_soon_threadsafe(self._answer)
+
+    def unanswered(self) -> float:
+        """For how many seconds the loop has left a ping unanswered (0: none waits). A loop
+        that does not answer is blocked: a job of its own computes, or calls blocking code,
+        and no other async job moves meanwhile."""
+        pinged = self._pinged
+        return 0.0 if pinged is None else time.monotonic() - pinged
+
+    def _answer(self) -> None:
+        self._pinged = None
 
     def close(self) -> None:
         """Stop the loop once its jobs have ended (the worker waited for them, or gave up

@@ -81,7 +81,10 @@ def ending(returncode: int) -> str:
         except ValueError:
             return f"was killed by signal {-returncode}"
     if returncode == EXIT_STUCK:
-        return f"exited with status {EXIT_STUCK} (executor threads stuck past their timeout)"
+        return (
+            f"exited with status {EXIT_STUCK} (executor threads, or its event loop, stuck in "
+            "jobs past their timeout)"
+        )
     return f"exited with status {returncode}"
 
 

@@ -58,6 +58,9 @@ SHUTDOWN_STEP = 0.1
 # runjobs's exit status once more than PGJOBS["MAX_STUCK_EXECUTORS"] executor threads are
 # stuck in jobs past their timeout (EX_TEMPFAIL: start a fresh process).
 EXIT_STUCK = 75
+# Seconds the event loop may leave unanswered the ping sent after an async job's timeout
+# cancelled its task, before the worker takes the loop for blocked and exits with EXIT_STUCK.
+LOOP_STUCK_AFTER = 10.0
 # A worker's registry row outlives its latest beat by this many of its ticks (a busy machine
 # may run a tick late), then the reaper clears it.
 BEATS_TO_EXPIRY = 3
@@ -454,6 +457,8 @@ class Worker:
                 maybe_more = look = True
                 if listener is not None:
                     listener.probe()
+                if self._loop is not None and self._loop.unanswered() > LOOP_STUCK_AFTER:
+                    self._loop_stuck()
             if self._freed:
                 maybe_more, self._freed = True, False
             if next_due is not None and now >= next_due:
@@ -554,6 +559,11 @@ class Worker:
         slot so throughput goes on. Past ``max_stuck`` live stuck threads, stop: the process
         is leaking threads (and maybe connections and locks), and only a restart frees them.
         """
+        if self._loop is not None and registry.runs_async(job.task):
+            # Its task is being cancelled: the loop answers once that cancel is delivered,
+            # unless a job blocks it (the producer's tick looks, ``_loop_stuck()``).
+            self._loop.ping()
+            return
         executor = next((e for e in self._executors if e.abandon(job)), None)
         if executor is None:
             return  # it returned just in time; it frees its own slot
@@ -596,6 +606,27 @@ class Worker:
                 extra={"action": "shutdown", "worker_id": self.worker_id},
             )
             self.stop()
+
+    def _loop_stuck(self) -> None:
+        """The event loop left the ping after a timeout's cancel unanswered too long: a job
+        blocks it, and every async job of this worker is frozen behind it (their heartbeats
+        go on, from the completer). A loop cannot be replaced like an executor, as its other
+        tasks live on it: stop, as past ``max_stuck`` stuck executors, so that a fresh
+        process takes over. The frozen jobs' leases are ended on the way out."""
+        if self.stuck:
+            return
+        self.stuck = True
+        logger.error(
+            "worker %s: its event loop has not run for %.0f s after an async job's timeout "
+            "cancelled its task (an async job blocks it: it computes, or calls blocking code); "
+            "stopping claims and exiting with status %s so that a fresh process replaces this "
+            "one",
+            self.worker_id,
+            self._loop.unanswered() if self._loop is not None else 0.0,
+            EXIT_STUCK,
+            extra={"action": "shutdown", "worker_id": self.worker_id},
+        )
+        self.stop()
 
     def _free(self) -> int:
         """How many jobs the next round may claim, over every pool (``_room()``)."""

@@ -154,8 +154,8 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         self.stdout.write(stats.summary())
         if worker.stuck:
-            # Too many executor threads stuck past their timeout (logged at ERROR): a
-            # supervisor restarting on failure starts a clean process.
+            # Too many executor threads, or the event loop, stuck past a job's timeout
+            # (logged at ERROR): a supervisor restarting on failure starts a clean process.
             self.stdout.flush()
             raise SystemExit(EXIT_STUCK)
 
