@@ -1,6 +1,7 @@
 """``runjobs --processes N`` on real processes: the supervisor's children share the work, a
 child killed with SIGKILL is replaced and its jobs come back through their leases, SIGTERM
-drains every child (and a second one stops them at once), and bad options are refused.
+drains every child (and a second one stops them at once), the children ride out a database
+outage without a restart, and bad options are refused.
 
 Each job records the process that ran it (``tests.workers.record_pid``); which process is
 which comes from the supervisor's log ("runjobs process I started (pid P)")."""
@@ -23,7 +24,18 @@ from django_pgjobs.models import Job
 from django_pgjobs.worker.supervisor import Supervisor, without_option
 from testproject.shop.models import Order
 from tests.helpers import DbThread, wait_until
-from tests.workers import Process, Workers, counts, query, record_pid
+from tests.workers import (
+    Process,
+    Workers,
+    assert_nobody_was_blamed,
+    count_orders,
+    counts,
+    done,
+    listener_backends,
+    query,
+    record_pid,
+    terminate,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -197,6 +209,44 @@ def start_two_holding_jobs(supervised: Workers) -> Process:
     wait_for_children(supervisor, 2)
     wait_until(lambda: started() == 2, message="a job to start in each child")
     return supervisor
+
+
+def test_the_children_ride_out_a_database_outage_and_none_is_restarted(
+    supervised: Workers,
+) -> None:
+    total = 400
+    Job.objects.enqueue_many(count_orders, [{"pause": 0.02}] * total)
+    supervisor = supervised.start(
+        "--processes",
+        "2",
+        "--concurrency",
+        "2",
+        "--lease",
+        "5",
+        "--reap-interval",
+        "2",
+        "--poll-interval",
+        "1",
+        test_jobs=True,
+    )
+    wait_for_children(supervisor, 2)
+    wait_until(lambda: done() >= 50, message="the run to get going")
+    # Every connection of both children (they share the supervisor's application_name).
+    assert terminate(supervisor.backends() + listener_backends()) >= 4
+    assert done() < total, "the run ended before the outage"
+    wait_until(
+        lambda: done() == total or not supervisor.alive,
+        message="the queue to be finished",
+    )
+    assert supervisor.alive, supervisor.tail()
+    assert_nobody_was_blamed(total)
+    log = supervisor.log()
+    assert "reconnected to database default" in log, log
+    # The outage was ridden out inside each child: none died, none was started again.
+    assert len(children(supervisor)) == 2, log
+    supervisor.send(signal.SIGTERM)
+    assert supervisor.wait() == 0, supervisor.tail()
+    assert endings(supervisor, "exited with status 0") == 2, supervisor.log()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
