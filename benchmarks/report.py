@@ -205,6 +205,13 @@ def build_rows(
         lambda r: r["jobs_per_s"],
     )
     add(
+        "w2_returning.jobs_per_s",
+        "W2 bare INSERT ... RETURNING id, a cursor each",
+        "jobs/s",
+        "w2_returning",
+        lambda r: r["jobs_per_s"],
+    )
+    add(
         "w2_bulk.jobs_per_s",
         "W2 enqueue_many(), one call",
         "jobs/s",
@@ -437,6 +444,15 @@ def build_targets(
     else:
         targets.append(Target("W1 1x8 vs the SQL ceiling of this run", "-", ">= 50%", None))
     targets.append(versus_pgqueuer("W1 1x8", w1, get("peer.pgqueuer.w1.jobs_per_s"), 6000))
+    theirs = get("peer.pgqueuer.w1.jobs_per_s")
+    targets.append(
+        Target(
+            "W1 1x8 vs pgqueuer at its defaults, side by side: the nearer goal",
+            "-" if w1 is None or theirs is None else f"{w1 / theirs:.2f}x",
+            ">= 1.5x",
+            None if w1 is None or theirs is None else w1 >= 1.5 * theirs,
+        )
+    )
     cpu = get("w1_1x8.total_cpu")
     targets.append(
         Target(
@@ -457,6 +473,27 @@ def build_targets(
             "-" if ratio is None else f"{ratio:.2f}x ({single:,.0f} vs {bare:,.0f} jobs/s)",
             "<= 1.10x",
             None if ratio is None else ratio <= 1.10,
+        )
+    )
+    returning = get("w2_returning.jobs_per_s")
+    ratio = None if single is None or returning is None else returning / single
+    targets.append(
+        Target(
+            "W2 enqueue() time vs bare INSERT ... RETURNING id",
+            "-" if ratio is None else f"{ratio:.2f}x ({single:,.0f} vs {returning:,.0f} jobs/s)",
+            "<= 1.25x",
+            None if ratio is None else ratio <= 1.25,
+        )
+    )
+    theirs = get("peer.pgqueuer.w2_single.jobs_per_s")
+    targets.append(
+        Target(
+            "W2 enqueue() vs pgqueuer's single enqueue, side by side",
+            "-"
+            if single is None or theirs is None
+            else f"{single / theirs:.2f}x ({single:,.0f} vs {theirs:,.0f} jobs/s)",
+            ">= 1x",
+            None if single is None or theirs is None else single >= theirs,
         )
     )
     targets.append(

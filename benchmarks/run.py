@@ -229,7 +229,8 @@ def main(argv: list[str]) -> int:
         "runs": {},
         "rss": None,
     }
-    peers_requested = os.environ.get("BENCH_PEERS") == "1"
+    peer_names = requested_peers(os.environ.get("BENCH_PEERS", ""))
+    peers_requested = peer_names != []
     out["peers"] = {} if peers_requested else "not requested (BENCH_PEERS=1 adds them)"
 
     print(
@@ -278,9 +279,13 @@ def main(argv: list[str]) -> int:
             if peers_requested:
                 from benchmarks.peers import Peers
 
-                print("\nBENCH_PEERS=1: preparing the peers' virtualenvs ...", flush=True)
+                print(
+                    f"\nBENCH_PEERS={os.environ['BENCH_PEERS']}: "
+                    "preparing the peers' virtualenvs ...",
+                    flush=True,
+                )
                 peers = Peers(server.url, sizes, log)
-                for name in peers.prepare():
+                for name in peers.prepare(peer_names):
                     out["peers"][name] = peers.versions(name)
                     print(f"  {name} {peers.version(name)}")
             code = run_suite(bench, sizes, args, out, peers)
@@ -303,6 +308,26 @@ def main(argv: list[str]) -> int:
     print(f"worker output: {log_path.relative_to(ROOT)}")
     print(f"elapsed: {out['elapsed_s'] / 60:.1f} min")
     return code
+
+
+def requested_peers(value: str) -> list[str] | None:
+    """The peers ``BENCH_PEERS`` asks for: ``1`` every one (``None``), a comma-separated list
+    of names those, nothing none (``[]``). An unknown name is an error, not a quiet skip."""
+    from benchmarks.peers import NAMES
+
+    value = value.strip()
+    if value in ("", "0"):
+        return []
+    if value == "1":
+        return None
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(NAMES))
+    if unknown:
+        raise SystemExit(
+            f"BENCH_PEERS: unknown peer(s) {', '.join(unknown)}; "
+            f"use 1 for all, or some of: {', '.join(NAMES)}"
+        )
+    return names
 
 
 def peer_steps(peers: Any, names: list[str]) -> list[tuple[str, str, Callable[[], Any]]]:
@@ -346,6 +371,7 @@ def run_suite(
         ("w1", "startup", bench.startup),
         ("w2", "w2_single", bench.enqueue_single),
         ("w2", "w2_bare", bench.insert_bare),
+        ("w2", "w2_returning", bench.insert_returning),
         ("w2", "w2_bulk", bench.enqueue_bulk),
         ("w3", "w3", bench.wakeup),
         ("w3", "w3_atomic", lambda: bench.wakeup(atomic=True)),

@@ -61,6 +61,7 @@ BARE_INSERT = (
     "INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at) "
     "VALUES (%s, %s, %s::jsonb, %s, %s, now())"
 )
+BARE_INSERT_RETURNING = BARE_INSERT + " RETURNING id"
 
 
 class Bench:
@@ -246,6 +247,23 @@ class Bench:
                 cursor.execute(BARE_INSERT, ["default", TASK, json.dumps({"n": i}), 0, 5])
             seconds = time.perf_counter() - started
         self._check_queued(n, "W2 bare INSERT")
+        return {"jobs": n, "seconds": seconds, "jobs_per_s": n / seconds}
+
+    def insert_returning(self) -> dict[str, Any]:
+        """W2's yardstick as issue 16 states it: the same INSERT with ``RETURNING id`` read
+        back, through a Django cursor per call as the ORM's ``create()`` opens one, autocommit,
+        same connection: what any Django code pays to add one row and learn its id."""
+        n = self.sizes.jobs
+        self._reset(False)
+        self.admin.checkpoint()
+        connection = connections["default"]
+        started = time.perf_counter()
+        for i in range(n):
+            with connection.cursor() as cursor:
+                cursor.execute(BARE_INSERT_RETURNING, ["default", TASK, json.dumps({"n": i}), 0, 5])
+                cursor.fetchone()
+        seconds = time.perf_counter() - started
+        self._check_queued(n, "W2 bare INSERT ... RETURNING id")
         return {"jobs": n, "seconds": seconds, "jobs_per_s": n / seconds}
 
     def enqueue_bulk(self) -> dict[str, Any]:
