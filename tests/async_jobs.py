@@ -8,13 +8,15 @@ receiver records each start through the sync ORM."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
+from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import connections
+from django.db import connections, transaction
 
 from django_pgjobs import current_job, job
 from django_pgjobs.signals import job_started
@@ -39,6 +41,17 @@ def _record(job_id: int, attempts: int, started: float, ended: float | None) -> 
 record = sync_to_async(_record)
 
 
+def _record_atomically(job_id: int, attempts: int, started: float, ended: float | None) -> None:
+    """``_record`` inside ``atomic()``, as ``aget_or_create()`` and most code wrapped in
+    ``sync_to_async`` write: on a broken connection Django drops it at the block's end and
+    opens another."""
+    with transaction.atomic():
+        _record(job_id, attempts, started, ended)
+
+
+record_atomically = sync_to_async(_record_atomically)
+
+
 def _started(sender: Any, job: Any, **named: Any) -> None:
     """A sync receiver that queries: it must not run on the event loop's thread."""
     _record(job.id, job.attempts, 0.0, STARTED)
@@ -49,15 +62,40 @@ if os.environ.get("PGJOBS_TEST_ASYNC_STARTED"):
 
 
 @job
-async def nap(seconds: float, again: float | None = None) -> None:
+async def nap(seconds: float, again: float | None = None, atomically: bool = False) -> None:
     """Await ``seconds`` (``again`` on later attempts, if given); record the start at once
-    and the whole span at the end (the machine's monotonic clock)."""
+    and the whole span at the end (the machine's monotonic clock; ``atomically``: each
+    inside ``atomic()``)."""
     ctx = current_job()
     assert ctx is not None
     pause = seconds if again is None or ctx.attempts == 1 else again
+    write = record_atomically if atomically else record
     started = time.monotonic()
-    await record(ctx.id, ctx.attempts, started, None)
+    await write(ctx.id, ctx.attempts, started, None)
     await asyncio.sleep(pause)
+    await write(ctx.id, ctx.attempts, started, time.monotonic())
+
+
+def _returns_its_coroutine(
+    func: Callable[..., Coroutine[Any, Any, None]],
+) -> Callable[..., Coroutine[Any, Any, None]]:
+    """A plain decorator: what it returns is a sync function that returns the coroutine."""
+
+    @functools.wraps(func)
+    def wrapper(**kwargs: Any) -> Coroutine[Any, Any, None]:
+        return func(**kwargs)
+
+    return wrapper
+
+
+@job
+@_returns_its_coroutine
+async def nap_behind_a_decorator(seconds: float) -> None:
+    """``nap`` behind a decorator that hides its ``async def``."""
+    ctx = current_job()
+    assert ctx is not None
+    started = time.monotonic()
+    await asyncio.sleep(seconds)
     await record(ctx.id, ctx.attempts, started, time.monotonic())
 
 

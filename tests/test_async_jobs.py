@@ -113,6 +113,19 @@ def test_an_async_def_job_is_registered_as_one() -> None:
 # -- running ----------------------------------------------------------------------------------
 
 
+def test_an_async_function_behind_a_plain_decorator_is_awaited(
+    workers: Workers, spans: None
+) -> None:
+    """``@job`` sees a sync function; the coroutine it returns runs to its end all the same
+    (on an executor thread), not marked done unawaited."""
+    ids = list(Job.objects.enqueue_many(async_jobs.nap_behind_a_decorator, [{"seconds": 0.1}] * 3))
+    worker = start(workers)
+    wait_until(lambda: counts().get("done", 0) == 3, message="the 3 jobs to finish")
+    assert sorted(i for i, *_ in ended()) == sorted(ids)
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+
+
 def test_fifty_async_jobs_wait_at_once_beside_one_executor_thread(
     workers: Workers, spans: None
 ) -> None:
@@ -311,19 +324,21 @@ def test_a_second_sigterm_stops_at_once_and_the_jobs_come_back_without_a_crash(
     assert second.wait() == 0, second.tail()
 
 
+@pytest.mark.parametrize("atomically", [False, True], ids=["plain", "in-atomic"])
 def test_async_jobs_whose_queries_meet_an_outage_are_released_and_run_again(
-    workers: Workers, spans: None
+    workers: Workers, spans: None, atomically: bool
 ) -> None:
     """Every async job's ORM query runs on asgiref's one sync_to_async thread, on one
     connection that outlives them all: once it is dropped, the jobs that meet it are released
-    (not blamed), and the connection is mended for the next ones."""
-    ids = naps(10, 2.0)
+    (not blamed), and the connection is mended for the next ones. A query inside atomic()
+    finds at the block's end a fresh connection Django opened: that too is the outage."""
+    ids = naps(10, 2.0, atomically=atomically)
     worker = start(workers, "--poll-interval", "1")
     wait_until(lambda: started() == 10, message="the 10 jobs to start")
     # Every connection of the worker, the async jobs' one included: each job's closing record
     # runs into it.
     assert terminate(worker.backends() + listener_backends()) >= 3
-    later = naps(5, 0.0)
+    later = naps(5, 0.0, atomically=atomically)
     wait_until(
         lambda: (
             all(status(i) == "done" or job_row(i)["last_error"] for i in ids + later)

@@ -54,6 +54,20 @@ def _count_opened(sender: Any, connection: Any, **kwargs: Any) -> None:
     counts: Counter[str] = getattr(_opened, "counts", None) or Counter()
     counts[connection.alias] += 1
     _opened.counts = counts
+    dropped: set[str] = getattr(_opened, "dropped", set())
+    if connection.alias in dropped:
+        # The one reset() dropped, opened again: its drop was counted there.
+        dropped.discard(connection.alias)
+    elif counts[connection.alias] > 1 and getattr(_opened, "async_jobs", False):
+        # The async jobs' thread opened a connection again: Django dropped the one before
+        # (an atomic() block that ended on a broken connection does).
+        _async_replaced[connection.alias] += 1
+
+
+def mark_async_jobs_thread() -> None:
+    """Called on asgiref's ``sync_to_async`` thread (by the event loop, before any job runs
+    there): from then on a connection opened again on it counts in ``async_replaced()``."""
+    _opened.async_jobs = True
 
 
 class QueueConnection(NamedTuple):
@@ -89,34 +103,38 @@ def queue_database_away(exc: BaseException, alias: str, before: QueueConnection)
     return probe_away(alias)
 
 
-# Broken connections ``async_database_away()`` has dropped, per alias, on the sync_to_async
-# thread (only that thread writes; any thread may read).
-_async_mended: Counter[str] = Counter()
+# How many times a connection of the async jobs' thread (asgiref's ``sync_to_async`` thread,
+# ``mark_async_jobs_thread()``) to each alias was dropped and opened again: by
+# ``async_database_away()`` dropping a broken one, or by Django, which drops a connection whose
+# atomic() block ended in a broken state and opens another for the next query. Only that
+# thread writes; any thread may read.
+_async_replaced: Counter[str] = Counter()
 
 
-def async_mended(alias: str) -> int:
-    """How many broken connections to ``alias`` the async jobs' thread has had dropped so far
-    (read as an async job starts, for ``async_database_away()``)."""
-    return _async_mended[alias]
+def async_replaced(alias: str) -> int:
+    """How many times the async jobs' thread has had its connection to ``alias`` dropped or
+    replaced so far (read as an async job starts, for ``async_database_away()``)."""
+    return _async_replaced[alias]
 
 
-def async_database_away(alias: str, mended: int) -> bool:
+def async_database_away(alias: str, replaced: int) -> bool:
     """``queue_database_away()`` for an async job whose error says a database is unavailable,
     called on asgiref's ``sync_to_async`` thread, where the async ORM calls of every async job
-    of the process run, on one connection per alias that outlives them all. ``mended``:
-    ``async_mended()`` as the job started.
+    of the process run, on one connection per alias that outlives them all. ``replaced``:
+    ``async_replaced()`` as the job started.
 
     Nothing tidies that thread between jobs, so what broke is mended here: a broken
     connection is dropped (the next query opens a fresh one), and a broken connection to the
-    queue's database is the outage; so is one dropped since the job started (the jobs that
-    met the same broken connection learn it from the first one to look). Otherwise a fresh
-    connection decides, as for a sync job."""
+    queue's database is the outage; so is one dropped or replaced since the job started (the
+    jobs that met the same broken connection learn it from the first one to look, and a job
+    whose query broke inside ``atomic()`` finds the fresh connection Django opened in its
+    place). Otherwise a fresh connection decides, as for a sync job."""
     connection = connections[alias].connection
     if connection is not None and connection.broken:
         reset(alias)
-        _async_mended[alias] += 1
+        _async_replaced[alias] += 1
     tidy()
-    return _async_mended[alias] != mended or probe_away(alias)
+    return _async_replaced[alias] != replaced or probe_away(alias)
 
 
 def probe_away(alias: str) -> bool:
@@ -138,6 +156,7 @@ def reset(alias: str) -> None:
         connections[alias].close()
     except DatabaseError:
         logger.debug("closing a broken connection to %s failed", alias, exc_info=True)
+    _opened.dropped = getattr(_opened, "dropped", set()) | {alias}
 
 
 class Backoff:

@@ -8,11 +8,12 @@ called with the payload as keyword arguments, and the outcome that follows.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -28,7 +29,7 @@ from django_pgjobs.lifecycle import ClaimedJob, Failure
 from django_pgjobs.registry import JobFunction
 from django_pgjobs.worker.db import (
     async_database_away,
-    async_mended,
+    async_replaced,
     queue_connection,
     queue_database_away,
     unavailable,
@@ -83,6 +84,8 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
     the job for good, at once. An ``async def`` job met here (transaction mode, which runs
     every job on its executor thread) runs to its end through ``async_to_sync``: its async ORM
     calls come back to this thread, so they run in the job's transaction like its sync ones.
+    So does the coroutine a job registered as sync returns (an ``async def`` function behind
+    a plain decorator, which ``@job`` cannot see through).
     """
     refused = invalid(job)
     if refused is not None:
@@ -95,6 +98,9 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
         func = begin(job, alias)
         if func.async_func is None:
             value = func.func(**job.payload)
+            if inspect.iscoroutine(value):
+                # A coroutine function behind a plain (sync) decorator: it is awaited here.
+                value = async_to_sync(_awaited)(value)
         else:
             value = async_to_sync(func.async_func)(**job.payload)
         return returned(job, func, value, started)
@@ -102,6 +108,10 @@ def call(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
         return raised(job, func, exc, queue_database_away(exc, alias, before), started)
     finally:
         reset_current_job(token)
+
+
+async def _awaited(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    return await coroutine
 
 
 async def acall(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
@@ -119,7 +129,7 @@ async def acall(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
         return refused
     token = set_current_job(ctx)
     func = None
-    mended = async_mended(alias)
+    replaced = async_replaced(alias)
     started = time.perf_counter()
     try:
         func = registry.get(job.task)
@@ -130,7 +140,7 @@ async def acall(job: ClaimedJob, ctx: JobContext, alias: str) -> Outcome:
         value = await func.async_func(**job.payload)
         return returned(job, func, value, started)
     except BaseException as exc:
-        away = unavailable(exc) and await sync_to_async(async_database_away)(alias, mended)
+        away = unavailable(exc) and await sync_to_async(async_database_away)(alias, replaced)
         return raised(job, func, exc, away, started)
     finally:
         reset_current_job(token)

@@ -24,6 +24,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from django_pgjobs.lifecycle import ClaimedJob
+from django_pgjobs.worker.db import mark_async_jobs_thread
 from django_pgjobs.worker.lease import LeaseMode
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -49,6 +50,9 @@ class EventLoop(threading.Thread):
     def run(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
+            # Before any job: the async jobs' ORM calls run on that thread, and a connection
+            # it opens again is how an outage met inside atomic() shows (worker.db).
+            self.loop.run_until_complete(sync_to_async(mark_async_jobs_thread)())
             self.loop.run_forever()
         finally:
             self.loop.close()
