@@ -146,6 +146,20 @@ async def blocks_the_loop() -> None:
     time.sleep(3600)
 
 
+@job(max_attempts=1, timeout=timedelta(seconds=1))
+async def ignores_its_cancel() -> None:
+    """Catches the cancel its timeout sends and waits on: the loop runs, but the job keeps
+    its slot."""
+    ctx = current_job()
+    assert ctx is not None
+    await record(ctx.id, ctx.attempts, time.monotonic(), None)
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        await record(ctx.id, ctx.attempts, 0.0, CANCELLED)
+        await asyncio.sleep(3600)
+
+
 @job(max_attempts=1)
 async def writes_then_fails() -> None:
     """Writes through the async ORM, then fails: in transaction mode the write is undone."""

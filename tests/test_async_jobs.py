@@ -309,7 +309,7 @@ def test_a_second_sigterm_stops_at_once_and_the_jobs_come_back_without_a_crash(
     first.send(signal.SIGTERM)
     first.wait_for_log("signal again to exit now")
     first.send(signal.SIGTERM)
-    assert first.wait() != 0
+    assert first.wait() == 1, first.tail()
     # Their leases were ended on the way out: running, but already expired.
     rows = [job_row(i) for i in ids]
     assert {r["status"] for r in rows} == {"running"}
@@ -322,6 +322,33 @@ def test_a_second_sigterm_stops_at_once_and_the_jobs_come_back_without_a_crash(
     assert query("SELECT DISTINCT attempts, crashes FROM pgjobs_job") == [(2, 0)]
     second.send(signal.SIGTERM)
     assert second.wait() == 0, second.tail()
+
+
+def test_async_jobs_that_catch_their_timeouts_cancel_count_as_stuck_and_the_worker_exits_75(
+    workers: Workers, spans: None
+) -> None:
+    """A job that catches the cancel its timeout sent leaves the loop running but keeps its
+    slot for good: past MAX_STUCK_EXECUTORS of them, the worker stops as it does for stuck
+    threads, instead of running on with ever fewer slots."""
+    ids = list(Job.objects.enqueue_many(async_jobs.ignores_its_cancel, [{}] * 2))
+    worker = start(
+        workers,
+        "--async-concurrency",
+        "4",
+        "--max-stuck-executors",
+        "1",
+        "--poll-interval",
+        "1",
+        "--shutdown-timeout",
+        "1",
+    )
+    assert worker.wait() == 75, worker.tail()
+    assert "2 async jobs' tasks (they caught their cancel)" in worker.log(), worker.log()
+    # Both caught the cancel of their timeout, which failed them.
+    assert cancelled_tasks() == set(ids)
+    for job_id in ids:
+        row = job_row(job_id)
+        assert row["status"] == "failed" and "JobTimeout" in str(row["last_error"]), row
 
 
 @pytest.mark.parametrize("atomically", [False, True], ids=["plain", "in-atomic"])

@@ -214,7 +214,9 @@ def start_two_holding_jobs(supervised: Workers) -> Process:
 def test_the_children_ride_out_a_database_outage_and_none_is_restarted(
     supervised: Workers,
 ) -> None:
-    total = 400
+    # Enough work that the outage lands mid-run even when this test is slow to send it
+    # (about 5 s of it is left once 50 are done).
+    total = 1000
     Job.objects.enqueue_many(count_orders, [{"pause": 0.02}] * total)
     supervisor = supervised.start(
         "--processes",
@@ -241,6 +243,7 @@ def test_the_children_ride_out_a_database_outage_and_none_is_restarted(
     assert supervisor.alive, supervisor.tail()
     assert_nobody_was_blamed(total)
     log = supervisor.log()
+    assert "met a database outage; releasing it (attempt not counted)" in log, log
     assert "reconnected to database default" in log, log
     # The outage was ridden out inside each child: none died, none was started again.
     assert len(children(supervisor)) == 2, log

@@ -213,6 +213,10 @@ class Worker:
         # Set once too many executors are stuck in jobs past their timeout: runjobs then
         # exits with EXIT_STUCK so that its supervisor starts a clean process.
         self.stuck = False
+        # Async jobs past their timeout whose task has not ended yet: job id -> when its
+        # cancel was sent (monotonic). One still running LOOP_STUCK_AFTER later caught the
+        # cancel and went on, holding its slot of the loop: stuck, like an abandoned thread.
+        self._timed_out_async: dict[int, float] = {}
         # Only a worker asked to serve metrics keeps any (MetricsUnavailable without the
         # prometheus extra).
         if metrics_addr is not None and metrics_port is None:
@@ -457,8 +461,11 @@ class Worker:
                 maybe_more = look = True
                 if listener is not None:
                     listener.probe()
-                if self._loop is not None and self._loop.unanswered() > LOOP_STUCK_AFTER:
-                    self._loop_stuck()
+                if self._loop is not None:
+                    if self._loop.unanswered() > LOOP_STUCK_AFTER:
+                        self._loop_stuck()
+                    elif self._timed_out_async:
+                        self._count_stuck()
             if self._freed:
                 maybe_more, self._freed = True, False
             if next_due is not None and now >= next_due:
@@ -548,8 +555,17 @@ class Worker:
         }
 
     def _stuck(self) -> int:
-        """Abandoned executor threads still alive (stuck in a job past its timeout)."""
-        return sum(e.abandoned and e.is_alive() for e in self._executors)
+        return sum(self._stuck_parts())
+
+    def _stuck_parts(self) -> tuple[int, int]:
+        """Abandoned executor threads still alive (stuck in a job past its timeout), and
+        async jobs still running ``LOOP_STUCK_AFTER`` after their timeout cancelled them."""
+        late = time.monotonic() - LOOP_STUCK_AFTER
+        # list(): one snapshot, taken while no other thread runs (the GIL), without the lock
+        # that some callers hold.
+        cancelled = list(self._timed_out_async.values())
+        threads = sum(e.abandoned and e.is_alive() for e in self._executors)
+        return threads, sum(at < late for at in cancelled)
 
     def _on_timeout(self, job: Any) -> None:
         """A job ran past its timeout (its failure is on its way): replace its executor.
@@ -561,7 +577,10 @@ class Worker:
         """
         if self._loop is not None and registry.runs_async(job.task):
             # Its task is being cancelled: the loop answers once that cancel is delivered,
-            # unless a job blocks it (the producer's tick looks, ``_loop_stuck()``).
+            # unless a job blocks it (the producer's tick looks, ``_loop_stuck()``), and the
+            # task ends, unless the job catches the cancel (the tick counts it as stuck).
+            with self._lock:
+                self._timed_out_async[job.id] = time.monotonic()
             self._loop.ping()
             return
         executor = next((e for e in self._executors if e.abandon(job)), None)
@@ -592,15 +611,28 @@ class Worker:
             extra={"action": "fail", "job_id": job.id, "worker_id": self.worker_id},
         )
         self._job_done(job)
-        stuck = self._stuck()
-        if stuck > self.max_stuck and not self.stuck:
+        self._count_stuck()
+
+    def _count_stuck(self) -> None:
+        """Past ``max_stuck`` jobs stuck beyond their timeout (``_stuck()``), stop: the
+        process is leaking threads or loop slots (and maybe connections and locks), and only
+        a restart frees them."""
+        threads, tasks = self._stuck_parts()
+        if threads + tasks > self.max_stuck and not self.stuck:
             self.stuck = True
             logger.error(
-                "worker %s has %s executor threads stuck in jobs that ran past their timeout "
+                "worker %s has %s stuck in jobs that ran past their timeout "
                 "(PGJOBS['MAX_STUCK_EXECUTORS'] is %s): stopping claims and exiting with "
                 "status %s so that a fresh process replaces this one",
                 self.worker_id,
-                stuck,
+                " and ".join(
+                    f"{count} {what}"
+                    for count, what in (
+                        (threads, "executor threads"),
+                        (tasks, "async jobs' tasks (they caught their cancel)"),
+                    )
+                    if count
+                ),
                 self.max_stuck,
                 EXIT_STUCK,
                 extra={"action": "shutdown", "worker_id": self.worker_id},
@@ -675,6 +707,7 @@ class Worker:
         """An async job's task ended (called on the loop's thread)."""
         pool = self._pool(job.queue)
         with self._lock:
+            self._timed_out_async.pop(job.id, None)
             self._inflight -= 1
             if self._async_inflight == self.async_concurrency:
                 self._freed = True
