@@ -1,0 +1,138 @@
+"""Would a worker gain by writing its completions in the same statement as its next claim?
+
+Not part of ``benchmarks.run``: a probe to run by hand against any database that has the
+schema (``manage.py migrate``) on this machine (the server's CPU is read from ``/proc``)::
+
+    DATABASE_URL=postgres://... DJANGO_SETTINGS_MODULE=benchmarks.settings \\
+        python -m benchmarks.combined [--jobs N] [--batch 8] [--rounds 7]
+
+One connection, prepared statements and the worker's commit setting, as the worker's own
+connections run them, drains ``--jobs`` queued no-op jobs ``--batch`` at a time in two ways,
+taking turns round by round:
+
+- *two statements*: the fenced ``sql.COMPLETE`` of the previous batch, then ``sql.CLAIM``
+  of the next, each its own transaction (the worker's completer and producer, one after the
+  other);
+- *one statement*: the same ``COMPLETE`` as a data-modifying CTE of the same ``CLAIM``.
+
+It prints, per job, the median over the rounds of the wall time and of the server backend's
+CPU time (user + system, from ``/proc/<pid>/stat``, in clock ticks of 10 ms: hence the
+thousands of jobs), and checks that every job ended done after one attempt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import django
+
+django.setup()
+
+import psycopg  # noqa: E402
+
+from django_pgjobs import sql  # noqa: E402
+from django_pgjobs.connections import connection_params  # noqa: E402
+
+TASK = "testproject.testjobs.noop"
+TICK = os.sysconf("SC_CLK_TCK")
+
+FILL = """
+INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
+SELECT 'default', %(task)s, '{}'::jsonb, 0, 5, now() FROM generate_series(1, %(jobs)s)
+"""
+
+
+def combined(claim: str) -> str:
+    """``claim`` (a ``WITH next AS (...)`` statement) with ``COMPLETE`` as a CTE before it."""
+    head = "\nWITH next AS ("
+    if not claim.startswith(head):
+        raise ValueError("the claim no longer starts with its `next` CTE")
+    return "\nWITH done AS (" + sql.COMPLETE + "),\nnext AS (" + claim[len(head) :]
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the backend ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def claims_of(rows: list[tuple[Any, ...]]) -> str:
+    """The fenced completions of claimed rows, as ``COMPLETE`` takes them."""
+    return json.dumps(
+        [
+            {"id": row[0], "attempts": row[4], "claimed_at": row[6].isoformat(), "result": None}
+            for row in rows
+        ]
+    )
+
+
+def drain(conn: psycopg.Connection[Any], claim: str, together: bool, base: dict[str, Any]) -> int:
+    """Claim and complete until the queue is empty; return how many jobs were claimed."""
+    both = combined(claim)
+    done = 0
+    previous: list[tuple[Any, ...]] = []
+    while True:
+        if together and previous:
+            rows = conn.execute(both, base | {"claims": claims_of(previous)}, prepare=True)
+        else:
+            if previous:
+                conn.execute(sql.COMPLETE, base | {"claims": claims_of(previous)}, prepare=True)
+            rows = conn.execute(claim, base, prepare=True)
+        previous = rows.fetchall()
+        if not previous:
+            return done
+        done += len(previous)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=4000, help="jobs per drain (default 4,000)")
+    parser.add_argument("--batch", type=int, default=8, help="jobs per claim (default 8)")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of both ways (default 7)")
+    args = parser.parse_args()
+    conn = psycopg.connect(**connection_params("default", "pgjobs-combined"), autocommit=True)
+    pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
+    claim = sql.limited(sql.CLAIM, args.batch)
+    base = {
+        "queue": "default",
+        "lease": "5 minutes",
+        "worker_id": "combined-probe",
+        "suspects": False,
+        "tasks": None,
+        "synchronous_commit": "off",
+    }
+    ways: list[tuple[str, bool]] = [("two statements", False), ("one statement", True)]
+    walls: dict[str, list[float]] = {name: [] for name, _ in ways}
+    cpus: dict[str, list[float]] = {name: [] for name, _ in ways}
+    for _ in range(args.rounds):
+        for name, together in ways:
+            conn.execute("TRUNCATE pgjobs_job")
+            conn.execute(FILL, {"task": TASK, "jobs": args.jobs})
+            conn.execute("VACUUM ANALYZE pgjobs_job")
+            started, cpu = time.perf_counter(), server_cpu(pid)
+            claimed = drain(conn, claim, together, base)
+            walls[name].append((time.perf_counter() - started) / args.jobs * 1e6)
+            cpus[name].append((server_cpu(pid) - cpu) / args.jobs * 1e6)
+            outcome = conn.execute(
+                "SELECT count(*) FILTER (WHERE status = 'done' AND attempts = 1), count(*) "
+                "FROM pgjobs_job"
+            ).fetchone()
+            if claimed != args.jobs or outcome != (args.jobs, args.jobs):
+                raise SystemExit(f"{name}: claimed {claimed}, (done once, all) {outcome}")
+    conn.execute("TRUNCATE pgjobs_job")
+    print(f"per job, median of {args.rounds} rounds of {args.jobs:,} jobs, batch {args.batch}:")
+    for name, _ in ways:
+        print(
+            f"  {name:<15} wall {statistics.median(walls[name]):6.1f} us   "
+            f"server CPU {statistics.median(cpus[name]):6.1f} us"
+        )
+
+
+if __name__ == "__main__":
+    main()
