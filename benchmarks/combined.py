@@ -41,6 +41,17 @@ from django_pgjobs.connections import connection_params  # noqa: E402
 TASK = "testproject.testjobs.noop"
 TICK = os.sysconf("SC_CLK_TCK")
 
+# The claim's and the completion's parameters but the claims: a busy worker's, on the default
+# queue, committing as the worker does by default.
+BASE: dict[str, Any] = {
+    "queue": "default",
+    "lease": "5 minutes",
+    "worker_id": "combined-probe",
+    "suspects": False,
+    "tasks": None,
+    "synchronous_commit": "off",
+}
+
 FILL = """
 INSERT INTO pgjobs_job (queue, task, payload, priority, max_attempts, run_at)
 SELECT 'default', %(task)s, '{}'::jsonb, 0, 5, now() FROM generate_series(1, %(jobs)s)
@@ -99,14 +110,6 @@ def main() -> None:
     conn = psycopg.connect(**connection_params("default", "pgjobs-combined"), autocommit=True)
     pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
     claim = sql.limited(sql.CLAIM, args.batch)
-    base = {
-        "queue": "default",
-        "lease": "5 minutes",
-        "worker_id": "combined-probe",
-        "suspects": False,
-        "tasks": None,
-        "synchronous_commit": "off",
-    }
     ways: list[tuple[str, bool]] = [("two statements", False), ("one statement", True)]
     walls: dict[str, list[float]] = {name: [] for name, _ in ways}
     cpus: dict[str, list[float]] = {name: [] for name, _ in ways}
@@ -116,7 +119,7 @@ def main() -> None:
             conn.execute(FILL, {"task": TASK, "jobs": args.jobs})
             conn.execute("VACUUM ANALYZE pgjobs_job")
             started, cpu = time.perf_counter(), server_cpu(pid)
-            claimed = drain(conn, claim, together, base)
+            claimed = drain(conn, claim, together, BASE)
             walls[name].append((time.perf_counter() - started) / args.jobs * 1e6)
             cpus[name].append((server_cpu(pid) - cpu) / args.jobs * 1e6)
             outcome = conn.execute(

@@ -1,12 +1,19 @@
-"""``BENCH_PEERS`` picks the peers of a benchmark run: all, some by name, or none; a name that
-is no peer's stops the run before anything starts instead of quietly leaving the peer out."""
+"""The benchmark's own parts: ``BENCH_PEERS`` picks the peers of a run (all, some by name, or
+none; a name that is no peer's stops the run before anything starts instead of quietly
+leaving the peer out), and the combined-statement probe drains a queue correctly."""
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
 from benchmarks.peers import NAMES
 from benchmarks.run import requested_peers
+from django_pgjobs import sql
+from django_pgjobs.connections import connection_params
+from django_pgjobs.models import Job
+from testproject.testjobs import noop
+from tests.helpers import status_counts
 
 
 @pytest.mark.parametrize("value", ["", "0", "  "])
@@ -29,3 +36,18 @@ def test_an_unknown_name_is_refused_with_the_known_ones() -> None:
     message = str(raised.value)
     assert "unknown peer(s) celery" in message
     assert all(name in message for name in NAMES)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("together", [False, True], ids=["two-statements", "one-statement"])
+def test_the_combined_probe_completes_each_job_once_either_way(together: bool) -> None:
+    """benchmarks.combined's two ways drain the queue with the worker's own fenced statements:
+    its figures are worth reading only if every job ends done after one attempt."""
+    from benchmarks.combined import BASE, drain
+
+    Job.objects.enqueue_many(noop, [{}] * 21)
+    with psycopg.connect(**connection_params("default", "pgjobs-test"), autocommit=True) as conn:
+        claimed = drain(conn, sql.limited(sql.CLAIM, 8), together, BASE)
+    assert claimed == 21
+    assert status_counts() == {"done": 21}
+    assert set(Job.objects.values_list("attempts", flat=True)) == {1}
