@@ -1,7 +1,8 @@
 """Would a worker gain by writing its completions in the same statement as its next claim?
 
-Not part of ``benchmarks.run``: a probe to run by hand against any database that has the
-schema (``manage.py migrate``) on this machine (the server's CPU is read from ``/proc``)::
+Not part of ``benchmarks.run``: a probe to run by hand against a scratch database that has
+the schema (``manage.py migrate``), on this machine (the server's CPU is read from ``/proc``).
+It empties ``pgjobs_job`` (``TRUNCATE``) before each round and at the end::
 
     DATABASE_URL=postgres://... DJANGO_SETTINGS_MODULE=benchmarks.settings \\
         python -m benchmarks.combined [--jobs N] [--batch 8] [--rounds 7]

@@ -160,6 +160,19 @@ async def ignores_its_cancel() -> None:
         await asyncio.sleep(3600)
 
 
+def _slow_backoff(attempt: int, exc: BaseException) -> float:
+    """A retry policy that takes its time: the completer asks it before it tells the worker
+    of the timeout, so the job's task has heeded the cancel and ended by then."""
+    time.sleep(1.0)
+    return 3600.0
+
+
+@job(max_attempts=2, timeout=timedelta(seconds=1), backoff=_slow_backoff)
+async def heeds_its_cancel() -> None:
+    """Waits for good; the cancel of its timeout ends it at once."""
+    await asyncio.sleep(3600)
+
+
 @job(max_attempts=1)
 async def writes_then_fails() -> None:
     """Writes through the async ORM, then fails: in transaction mode the write is undone."""

@@ -15,6 +15,7 @@ from django.db import connection
 
 from django_pgjobs import job, registry
 from django_pgjobs.models import Job
+from django_pgjobs.worker.worker import Worker
 from testproject.shop.tasks import double
 from testproject.testjobs import noop
 from tests import async_jobs
@@ -349,6 +350,27 @@ def test_async_jobs_that_catch_their_timeouts_cancel_count_as_stuck_and_the_work
     for job_id in ids:
         row = job_row(job_id)
         assert row["status"] == "failed" and "JobTimeout" in str(row["last_error"]), row
+
+
+def test_async_jobs_whose_task_ends_at_their_timeouts_cancel_are_not_counted_stuck() -> None:
+    """The completer sends a timeout's cancel, asks the job's retry policy, then tells the
+    worker of the timeout: a task that heeded the cancel has ended by then, and must not be
+    left counted as one that caught it (stale ones made a healthy worker exit 75, 10 s
+    later). The policy here takes a second, so the task always ends first."""
+    ids = list(Job.objects.enqueue_many(async_jobs.heeds_its_cancel, [{}] * 3))
+    worker = Worker(
+        ["default"],
+        burst=True,
+        concurrency=1,
+        async_concurrency=3,
+        reap_interval=0,
+        max_stuck_executors=1,
+    )
+    stats = worker.run()
+    assert stats.retried == 3
+    assert {status(i) for i in ids} == {"queued"}
+    assert worker._timed_out_async == {}
+    assert worker._stuck() == 0 and not worker.stuck
 
 
 @pytest.mark.parametrize("atomically", [False, True], ids=["plain", "in-atomic"])

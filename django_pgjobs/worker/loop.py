@@ -21,10 +21,9 @@ import time
 from collections.abc import Callable
 
 from asgiref.sync import sync_to_async
-from django.db import connections
 
 from django_pgjobs.lifecycle import ClaimedJob
-from django_pgjobs.worker.db import mark_async_jobs_thread
+from django_pgjobs.worker.db import mark_async_jobs_thread, reset_all
 from django_pgjobs.worker.lease import LeaseMode
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -84,9 +83,7 @@ class EventLoop(threading.Thread):
         if self.is_alive():
             # The async jobs' ORM calls ran on asgiref's sync_to_async thread, one per
             # process, which outlives the worker: close the connections they opened there.
-            closing = asyncio.run_coroutine_threadsafe(
-                sync_to_async(connections.close_all)(), self.loop
-            )
+            closing = asyncio.run_coroutine_threadsafe(sync_to_async(reset_all)(), self.loop)
             try:
                 closing.result(timeout=5.0)
             except Exception:

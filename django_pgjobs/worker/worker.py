@@ -213,10 +213,12 @@ class Worker:
         # Set once too many executors are stuck in jobs past their timeout: runjobs then
         # exits with EXIT_STUCK so that its supervisor starts a clean process.
         self.stuck = False
-        # Async jobs past their timeout whose task has not ended yet: job id -> when its
-        # cancel was sent (monotonic). One still running LOOP_STUCK_AFTER later caught the
-        # cancel and went on, holding its slot of the loop: stuck, like an abandoned thread.
-        self._timed_out_async: dict[int, float] = {}
+        # The async jobs handed to the loop whose task has not ended, by (id, attempt), and
+        # those of them past their timeout: -> when it was seen (monotonic). One still
+        # running LOOP_STUCK_AFTER later caught the cancel and went on, holding its slot of
+        # the loop: stuck, like an abandoned thread. Both under _lock.
+        self._on_loop: set[tuple[int, int]] = set()
+        self._timed_out_async: dict[tuple[int, int], float] = {}
         # Only a worker asked to serve metrics keeps any (MetricsUnavailable without the
         # prometheus extra).
         if metrics_addr is not None and metrics_port is None:
@@ -561,9 +563,8 @@ class Worker:
         """Abandoned executor threads still alive (stuck in a job past its timeout), and
         async jobs still running ``LOOP_STUCK_AFTER`` after their timeout cancelled them."""
         late = time.monotonic() - LOOP_STUCK_AFTER
-        # list(): one snapshot, taken while no other thread runs (the GIL), without the lock
-        # that some callers hold.
-        cancelled = list(self._timed_out_async.values())
+        with self._lock:
+            cancelled = list(self._timed_out_async.values())
         threads = sum(e.abandoned and e.is_alive() for e in self._executors)
         return threads, sum(at < late for at in cancelled)
 
@@ -579,8 +580,12 @@ class Worker:
             # Its task is being cancelled: the loop answers once that cancel is delivered,
             # unless a job blocks it (the producer's tick looks, ``_loop_stuck()``), and the
             # task ends, unless the job catches the cancel (the tick counts it as stuck).
+            attempt = (job.id, job.attempts)
             with self._lock:
-                self._timed_out_async[job.id] = time.monotonic()
+                # Only while its task runs: the cancel went out before this call, and a task
+                # that heeded it may have ended already.
+                if attempt in self._on_loop:
+                    self._timed_out_async[attempt] = time.monotonic()
             self._loop.ping()
             return
         executor = next((e for e in self._executors if e.abandon(job)), None)
@@ -706,8 +711,10 @@ class Worker:
     def _async_done(self, job: Any) -> None:
         """An async job's task ended (called on the loop's thread)."""
         pool = self._pool(job.queue)
+        attempt = (job.id, job.attempts)
         with self._lock:
-            self._timed_out_async.pop(job.id, None)
+            self._on_loop.discard(attempt)
+            self._timed_out_async.pop(attempt, None)
             self._inflight -= 1
             if self._async_inflight == self.async_concurrency:
                 self._freed = True
@@ -733,6 +740,7 @@ class Worker:
             if items:
                 self._async_seen = bool(on_loop)
             self._async_inflight += len(on_loop)
+            self._on_loop.update((item.id, item.attempts) for item in on_loop)
             for item in on_loop:
                 # Under a queue's own limit an async job takes one of its slots too.
                 pool = self._pool(item.queue)
