@@ -851,6 +851,70 @@ def queues_run(demo_url: str) -> list[str]:
     return problems
 
 
+def spread_run(demo_url: str) -> list[str]:
+    """``runjobs --processes 2`` on CPU-bound jobs, and ``async def`` jobs on the event loop:
+    what ran them, how long they took, and that each ran once."""
+    from django_pgjobs.models import Job
+
+    problems: list[str] = []
+    env = {
+        **os.environ,
+        "DATABASE_URL": demo_url,
+        "PGJOBS_LOG_LEVEL": "WARNING",
+        "PGJOBS_IMPORTS": "testproject.asyncjobs",
+    }
+
+    def run_of(label: str, count: int, *args: str) -> tuple[float, int]:
+        """Drain the queue with one ``runjobs --burst``; (span in s, workers that ran jobs)."""
+        started = time.perf_counter()
+        code = burst(env, *args)
+        wall = time.perf_counter() - started
+        with psycopg.connect(demo_url, autocommit=True) as conn:
+            done, once, workers, span = conn.execute(
+                "SELECT count(*) FILTER (WHERE status = 'done'), "
+                "count(*) FILTER (WHERE attempts = 1), "
+                "count(DISTINCT worker_ids ->> -1), "
+                "extract(epoch FROM max(finished_at) - min(started_at))::float8 "
+                "FROM pgjobs_job"
+            ).fetchone() or (0, 0, 0, 0.0)
+        print(
+            f"  {label}: {done:,} of {count:,} done in {wall:.2f} s (first start to last "
+            f"finish {span:.2f} s), by {workers} worker process(es)"
+        )
+        if code != 0 or done != count or once != count:
+            problems.append(f"{label}: exit {code}, {done} done, {once} after one attempt")
+        reset_jobs(demo_url)
+        return span, workers
+
+    reset_jobs(demo_url)
+    say("CPU-bound jobs (a few ms of pure Python each): one process, then two on the same cores.")
+    Job.objects.enqueue_many("demo.computes", [{}] * 600)
+    one, _ = run_of("--processes 1 --concurrency 4", 600, "--processes", "1", "--concurrency", "4")
+    Job.objects.enqueue_many("demo.computes", [{}] * 600)
+    two, workers = run_of(
+        "--processes 2 --concurrency 2", 600, "--processes", "2", "--concurrency", "2"
+    )
+    say(
+        f"Two processes ran them {one / two:.2f}x as fast as one: Python runs one thread at a "
+        "time per process, so jobs that compute need processes, not threads (how much the "
+        "second helps depends on the second core being free)."
+    )
+    if workers != 2:
+        problems.append(f"--processes 2: {workers} worker process(es) ran jobs, expected 2")
+
+    print()
+    say("2,000 async def jobs that each await 0.2 s of I/O, on the event loop, 100 at once:")
+    Job.objects.enqueue_many("demo.waits", [{"seconds": 0.2}] * 2000)
+    span, _ = run_of(
+        "--async-concurrency 100", 2000, "--async-concurrency", "100", "--concurrency", "4"
+    )
+    say(
+        f"Ideal: 2,000 x 0.2 s / 100 = 4.00 s; the loop took {span:.2f} s with one thread for "
+        "all of them (8 threads of sync jobs would need 50 s)."
+    )
+    return problems
+
+
 def free_port() -> int:
     import socket
 
@@ -1072,6 +1136,10 @@ def main() -> int:
     monitoring_problems = monitoring_run(demo_url)
     problems.extend(monitoring_problems)
 
+    section("7. More cores and more waits: runjobs --processes, async def jobs")
+    spread_problems = spread_run(demo_url)
+    problems.extend(spread_problems)
+
     total = time.perf_counter() - total_started
     section("Summary")
     print(
@@ -1098,6 +1166,7 @@ def main() -> int:
     )
     print(f"  queues and limits: {'all checks held' if not queue_problems else 'see above'}")
     print(f"  monitoring       : {'all checks held' if not monitoring_problems else 'see above'}")
+    print(f"  processes, async : {'all checks held' if not spread_problems else 'see above'}")
     print(f"  demo database    : {masked(demo_url)} (kept, unless on a throwaway server)")
     print(f"  total time       : {total:.1f} s")
     if problems:
@@ -1105,8 +1174,8 @@ def main() -> int:
     print()
     print(
         "OK: no job was claimed twice, none was lost, every order got its confirmation, "
-        "each tick of the schedule became one job, and every job-control, queue and monitoring "
-        "check held."
+        "each tick of the schedule became one job, and every job-control, queue, monitoring, "
+        "processes and async check held."
     )
     return 0
 
