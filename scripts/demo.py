@@ -855,6 +855,7 @@ def spread_run(demo_url: str) -> list[str]:
     """``runjobs --processes 2`` on CPU-bound jobs, and ``async def`` jobs on the event loop:
     what ran them, how long they took, and that each ran once."""
     from django_pgjobs.models import Job
+    from testproject.asyncjobs import computes, waits
 
     problems: list[str] = []
     env = {
@@ -888,9 +889,9 @@ def spread_run(demo_url: str) -> list[str]:
 
     reset_jobs(demo_url)
     say("CPU-bound jobs (a few ms of pure Python each): one process, then two on the same cores.")
-    Job.objects.enqueue_many("demo.computes", [{}] * 600)
+    Job.objects.enqueue_many(computes, [{}] * 600)
     one, _ = run_of("--processes 1 --concurrency 4", 600, "--processes", "1", "--concurrency", "4")
-    Job.objects.enqueue_many("demo.computes", [{}] * 600)
+    Job.objects.enqueue_many(computes, [{}] * 600)
     two, workers = run_of(
         "--processes 2 --concurrency 2", 600, "--processes", "2", "--concurrency", "2"
     )
@@ -904,7 +905,7 @@ def spread_run(demo_url: str) -> list[str]:
 
     print()
     say("2,000 async def jobs that each await 0.2 s of I/O, on the event loop, 100 at once:")
-    Job.objects.enqueue_many("demo.waits", [{"seconds": 0.2}] * 2000)
+    Job.objects.enqueue_many(waits, [{"seconds": 0.2}] * 2000)
     span, _ = run_of(
         "--async-concurrency 100", 2000, "--async-concurrency", "100", "--concurrency", "4"
     )
