@@ -25,16 +25,14 @@ from django_pgjobs.worker.supervisor import Supervisor, without_option
 from testproject.shop.models import Order
 from tests.helpers import DbThread, wait_until
 from tests.workers import (
+    OUTAGE_OPTIONS,
     Process,
     Workers,
-    assert_nobody_was_blamed,
     count_orders,
     counts,
-    done,
-    listener_backends,
     query,
     record_pid,
-    terminate,
+    ride_out_an_outage,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -219,32 +217,11 @@ def test_the_children_ride_out_a_database_outage_and_none_is_restarted(
     total = 1000
     Job.objects.enqueue_many(count_orders, [{"pause": 0.02}] * total)
     supervisor = supervised.start(
-        "--processes",
-        "2",
-        "--concurrency",
-        "2",
-        "--lease",
-        "5",
-        "--reap-interval",
-        "2",
-        "--poll-interval",
-        "1",
-        test_jobs=True,
+        "--processes", "2", "--concurrency", "2", *OUTAGE_OPTIONS, test_jobs=True
     )
     wait_for_children(supervisor, 2)
-    wait_until(lambda: done() >= 50, message="the run to get going")
     # Every connection of both children (they share the supervisor's application_name).
-    assert terminate(supervisor.backends() + listener_backends()) >= 4
-    assert done() < total, "the run ended before the outage"
-    wait_until(
-        lambda: done() == total or not supervisor.alive,
-        message="the queue to be finished",
-    )
-    assert supervisor.alive, supervisor.tail()
-    assert_nobody_was_blamed(total)
-    log = supervisor.log()
-    assert "met a database outage; releasing it (attempt not counted)" in log, log
-    assert "reconnected to database default" in log, log
+    log = ride_out_an_outage(supervisor, total, after=50, victims=4)
     # The outage was ridden out inside each child: none died, none was started again.
     assert len(children(supervisor)) == 2, log
     supervisor.send(signal.SIGTERM)

@@ -18,6 +18,7 @@ from django_pgjobs.models import Job
 from testproject.testjobs import noop
 from tests.helpers import PATIENCE, job_row, raw_connect, wait_until
 from tests.workers import (
+    OUTAGE_OPTIONS,
     Process,
     Workers,
     assert_nobody_was_blamed,
@@ -28,6 +29,7 @@ from tests.workers import (
     listener_backends,
     query,
     ran,
+    ride_out_an_outage,
     scalar,
     terminate,
     undecodable_error,
@@ -44,35 +46,8 @@ def worker_connections(worker: Process) -> list[int]:
 def test_a_job_that_meets_a_lost_connection_is_released_not_failed(workers: Workers) -> None:
     total = 600
     Job.objects.enqueue_many(count_orders, [{"pause": 0.02}] * total)
-    worker = workers.start(
-        "--concurrency",
-        "4",
-        "--lease",
-        "5",
-        "--reap-interval",
-        "2",
-        "--poll-interval",
-        "1",
-        test_jobs=True,
-    )
-    wait_until(lambda: done() >= 100, message="the run to get going")
-    # The producer's, the completer's and each executor's own connection: every executor's
-    # next query runs into its dead connection, inside a job.
-    victims = worker.backends()
-    assert len(victims) >= 6, victims
-    assert terminate(victims + listener_backends()) >= 6
-    assert done() < total, "the run ended before the outage"
-
-    wait_until(
-        lambda: done() == total or not worker.alive,
-        timeout=3 * PATIENCE,
-        message="the queue to be finished",
-    )
-    assert worker.alive, worker.tail()
-    assert_nobody_was_blamed(total)
-    log = worker.log()
-    assert "met a database outage; releasing it (attempt not counted)" in log, log
-    assert "reconnected to database default" in log, log
+    worker = workers.start("--concurrency", "4", *OUTAGE_OPTIONS, test_jobs=True)
+    ride_out_an_outage(worker, total, after=100, victims=6)
     worker.send(signal.SIGTERM)
     assert worker.wait() == 0
     # Released, not retried or failed: the summary counts them apart.

@@ -467,6 +467,33 @@ def assert_nobody_was_blamed(total: int) -> None:
     )
 
 
+# A worker that is to meet an outage mid-run: a short lease and reap interval, so that what
+# the outage strands comes back within the test, and a fallback poll beside LISTEN.
+OUTAGE_OPTIONS = ("--lease", "5", "--reap-interval", "2", "--poll-interval", "1")
+
+
+def ride_out_an_outage(process: Process, total: int, *, after: int, victims: int) -> str:
+    """Once ``after`` of the ``total`` jobs are done, terminate every connection of
+    ``process`` (at least ``victims``: its producer's, completer's and each executor's, whose
+    next query, inside a job, runs into its dead connection; and the LISTEN one); then the
+    queue is finished by the same process, nobody blamed, a job released and the connection
+    made again. Returns the process's log."""
+    wait_until(lambda: done() >= after, message="the run to get going")
+    assert terminate(process.backends() + listener_backends()) >= victims
+    assert done() < total, "the run ended before the outage"
+    wait_until(
+        lambda: done() == total or not process.alive,
+        timeout=3 * PATIENCE,
+        message="the queue to be finished",
+    )
+    assert process.alive, process.tail()
+    assert_nobody_was_blamed(total)
+    log = process.log()
+    assert "met a database outage; releasing it (attempt not counted)" in log, log
+    assert "reconnected to database default" in log, log
+    return log
+
+
 def terminate(pids: list[int]) -> int:
     """pg_terminate_backend each pid; return how many were terminated."""
     if not pids:
