@@ -124,7 +124,6 @@ class Worker:
         )
         self._loop: EventLoop | None = None
         # Async jobs handed to the loop and not yet ended (counted at hand-out).
-        self._async_inflight = 0
         # Whether the latest claim that found jobs found async ones: only then (or while the
         # loop runs some) does a worker whose executors are all busy claim async jobs alone,
         # so a worker whose queues hold only sync jobs claims as if it had no loop.
@@ -213,8 +212,9 @@ class Worker:
         # Set once too many executors are stuck in jobs past their timeout: runjobs then
         # exits with EXIT_STUCK so that its supervisor starts a clean process.
         self.stuck = False
-        # The async jobs handed to the loop whose task has not ended, by (id, attempt), and
-        # those of them past their timeout: -> when it was seen (monotonic). One still
+        # The async jobs handed to the loop whose task has not ended, by (id, attempt) (how
+        # many: the loop's slots taken), and those of them past their timeout: -> when it was
+        # seen (monotonic). One still
         # running LOOP_STUCK_AFTER later caught the cancel and went on, holding its slot of
         # the loop: stuck, like an abandoned thread. Both under _lock.
         self._on_loop: set[tuple[int, int]] = set()
@@ -684,8 +684,8 @@ class Worker:
             threads = self._slots[pool] - self._busy[pool]
             if self._loop is None:
                 return threads, None
-            loop = self.async_concurrency - self._async_inflight
-            async_likely = self._async_seen or self._async_inflight > 0
+            loop = self.async_concurrency - len(self._on_loop)
+            async_likely = self._async_seen or bool(self._on_loop)
         if threads > 0 and loop > 0:
             return min(threads, loop), None
         if threads > 0:
@@ -713,12 +713,12 @@ class Worker:
         pool = self._pool(job.queue)
         attempt = (job.id, job.attempts)
         with self._lock:
+            self._inflight -= 1
+            if len(self._on_loop) == self.async_concurrency:
+                # The loop was full: its slot freed, its queues may be claimed again.
+                self._freed = True
             self._on_loop.discard(attempt)
             self._timed_out_async.pop(attempt, None)
-            self._inflight -= 1
-            if self._async_inflight == self.async_concurrency:
-                self._freed = True
-            self._async_inflight -= 1
             if pool != SHARED:
                 if self._busy[pool] == self._slots[pool]:
                     self._freed = True
@@ -739,7 +739,6 @@ class Worker:
                 self._busy[self._pool(item.queue)] += 1
             if items:
                 self._async_seen = bool(on_loop)
-            self._async_inflight += len(on_loop)
             self._on_loop.update((item.id, item.attempts) for item in on_loop)
             for item in on_loop:
                 # Under a queue's own limit an async job takes one of its slots too.
@@ -824,9 +823,9 @@ class Worker:
                     break
                 executor.join(min(left, SHUTDOWN_STEP))
         still = [e.name for e in executors if e.is_alive() and not e.abandoned]
-        while self._async_inflight and time.monotonic() < deadline:
+        while self._on_loop and time.monotonic() < deadline:
             time.sleep(SHUTDOWN_STEP)
-        still.extend(["async job"] * self._async_inflight)
+        still.extend(["async job"] * len(self._on_loop))
         completer.close(timeout=max(self.shutdown_timeout, 5.0))
         if still:
             # Their jobs (and any outcome the completer could not write) are still ours:
@@ -840,7 +839,7 @@ class Worker:
                 self._expire_held(),
                 extra={"action": "shutdown", "worker_id": self.worker_id},
             )
-        if self._loop is not None and not self._async_inflight:
+        if self._loop is not None and not self._on_loop:
             # Jobs still running after the timeout keep the loop: their leases are ended,
             # and the process exits.
             self._loop.close()
