@@ -16,16 +16,16 @@ from psycopg import sql as pgsql
 
 from django_pgjobs.models import Job
 from testproject.testjobs import noop
-from tests.helpers import PATIENCE, job_row, raw_connect, wait_until
+from tests.helpers import job_row, raw_connect, wait_until
 from tests.workers import (
     OUTAGE_OPTIONS,
     Process,
     Workers,
-    assert_nobody_was_blamed,
     count_orders,
     counts,
     done,
     exit_with,
+    finished_after_an_outage,
     listener_backends,
     query,
     ran,
@@ -114,14 +114,7 @@ def test_a_read_only_failover_is_ridden_out(workers: Workers) -> None:
     # Writable again; sessions opened meanwhile are still read-only: drop them too.
     terminate(worker_connections(worker))
 
-    wait_until(
-        lambda: done() == total or not worker.alive,
-        timeout=3 * PATIENCE,
-        message="the queue to be finished",
-    )
-    assert worker.alive, worker.tail()
-    assert_nobody_was_blamed(total)
-    log = worker.log()
+    log = finished_after_an_outage(worker, total)
     assert "unavailable (cannot execute UPDATE in a read-only transaction)" in log, log
     assert "reconnected to database default" in log, log
     worker.send(signal.SIGTERM)

@@ -472,6 +472,19 @@ def assert_nobody_was_blamed(total: int) -> None:
 OUTAGE_OPTIONS = ("--lease", "5", "--reap-interval", "2", "--poll-interval", "1")
 
 
+def finished_after_an_outage(process: Process, total: int) -> str:
+    """Wait for ``process`` to finish the ``total`` jobs it met an outage among: it lives on
+    and nobody is blamed. Returns its log."""
+    wait_until(
+        lambda: done() == total or not process.alive,
+        timeout=3 * PATIENCE,
+        message="the queue to be finished",
+    )
+    assert process.alive, process.tail()
+    assert_nobody_was_blamed(total)
+    return process.log()
+
+
 def ride_out_an_outage(process: Process, total: int, *, after: int, victims: int) -> str:
     """Once ``after`` of the ``total`` jobs are done, terminate every connection of
     ``process`` (at least ``victims``: its producer's, completer's and each executor's, whose
@@ -481,14 +494,7 @@ def ride_out_an_outage(process: Process, total: int, *, after: int, victims: int
     wait_until(lambda: done() >= after, message="the run to get going")
     assert terminate(process.backends() + listener_backends()) >= victims
     assert done() < total, "the run ended before the outage"
-    wait_until(
-        lambda: done() == total or not process.alive,
-        timeout=3 * PATIENCE,
-        message="the queue to be finished",
-    )
-    assert process.alive, process.tail()
-    assert_nobody_was_blamed(total)
-    log = process.log()
+    log = finished_after_an_outage(process, total)
     assert "met a database outage; releasing it (attempt not counted)" in log, log
     assert "reconnected to database default" in log, log
     return log
