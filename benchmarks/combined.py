@@ -1,4 +1,4 @@
-"""Would a worker gain by writing its completions in the same statement as its next claim?
+"""How much does a completion riding with the next claim save, statement against statement?
 
 Not part of ``benchmarks.run``: a probe to run by hand against a scratch database that has
 the schema (``manage.py migrate``), on this machine (the server's CPU is read from ``/proc``).
@@ -14,7 +14,8 @@ taking turns round by round:
 - *two statements*: the fenced ``sql.COMPLETE`` of the previous batch, then ``sql.CLAIM``
   of the next, each its own transaction (the worker's completer and producer, one after the
   other);
-- *one statement*: the same ``COMPLETE`` as a data-modifying CTE of the same ``CLAIM``.
+- *one statement*: ``sql.CLAIM_COMPLETING``, the same ``COMPLETE`` as a data-modifying CTE
+  of the same claim, as a busy worker's completions ride with its next claim.
 
 It prints, per job, the median over the rounds of the wall time and of the server backend's
 CPU time (user + system, from ``/proc/<pid>/stat``, in clock ticks of 10 ms: hence the
@@ -59,14 +60,6 @@ SELECT 'default', %(task)s, '{}'::jsonb, 0, 5, now() FROM generate_series(1, %(j
 """
 
 
-def combined(claim: str) -> str:
-    """``claim`` (a ``WITH next AS (...)`` statement) with ``COMPLETE`` as a CTE before it."""
-    head = "\nWITH next AS ("
-    if not claim.startswith(head):
-        raise ValueError("the claim no longer starts with its `next` CTE")
-    return "\nWITH done AS (" + sql.COMPLETE + "),\nnext AS (" + claim[len(head) :]
-
-
 def server_cpu(pid: int) -> float:
     """CPU seconds (user + system) the backend ``pid`` has used."""
     with open(f"/proc/{pid}/stat") as stat:
@@ -84,19 +77,21 @@ def claims_of(rows: list[tuple[Any, ...]]) -> str:
     )
 
 
-def drain(conn: psycopg.Connection[Any], claim: str, together: bool, base: dict[str, Any]) -> int:
+def drain(conn: psycopg.Connection[Any], batch: int, together: bool, base: dict[str, Any]) -> int:
     """Claim and complete until the queue is empty; return how many jobs were claimed."""
-    both = combined(claim)
+    claim = sql.limited(sql.CLAIM, batch)
+    both = sql.limited(sql.CLAIM_COMPLETING, batch)
     done = 0
     previous: list[tuple[Any, ...]] = []
     while True:
         if together and previous:
             rows = conn.execute(both, base | {"claims": claims_of(previous)}, prepare=True)
+            # Each row ends with the ids completed; with nothing claimed, one row of NULLs.
+            previous = [row[:-1] for row in rows.fetchall() if row[0] is not None]
         else:
             if previous:
                 conn.execute(sql.COMPLETE, base | {"claims": claims_of(previous)}, prepare=True)
-            rows = conn.execute(claim, base, prepare=True)
-        previous = rows.fetchall()
+            previous = conn.execute(claim, base, prepare=True).fetchall()
         if not previous:
             return done
         done += len(previous)
@@ -110,7 +105,6 @@ def main() -> None:
     args = parser.parse_args()
     conn = psycopg.connect(**connection_params("default", "pgjobs-combined"), autocommit=True)
     pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
-    claim = sql.limited(sql.CLAIM, args.batch)
     ways: list[tuple[str, bool]] = [("two statements", False), ("one statement", True)]
     walls: dict[str, list[float]] = {name: [] for name, _ in ways}
     cpus: dict[str, list[float]] = {name: [] for name, _ in ways}
@@ -120,7 +114,7 @@ def main() -> None:
             conn.execute(FILL, {"task": TASK, "jobs": args.jobs})
             conn.execute("VACUUM ANALYZE pgjobs_job")
             started, cpu = time.perf_counter(), server_cpu(pid)
-            claimed = drain(conn, claim, together, BASE)
+            claimed = drain(conn, args.batch, together, BASE)
             walls[name].append((time.perf_counter() - started) / args.jobs * 1e6)
             cpus[name].append((server_cpu(pid) - cpu) / args.jobs * 1e6)
             outcome = conn.execute(

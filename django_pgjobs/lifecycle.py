@@ -228,6 +228,44 @@ def claim(
     else:
         statement = sql.limited(sql.CLAIM_IDLE if idle else sql.CLAIM, limit)
         rows = sql.run(connection, statement, params)
+    return _claimed(rows)
+
+
+def claim_completing(
+    connection: sql.Connection,
+    *,
+    queue: str,
+    limit: int,
+    lease: timedelta,
+    worker_id: str,
+    synchronous_commit: str | None,
+    tasks: sql.TextArray | None,
+    jobs: Iterable[Claim],
+    results: Mapping[int, Any],
+) -> tuple[list[ClaimedJob], set[int]]:
+    """A busy worker's plain claim (no suspects) that completes ``jobs`` in the same
+    statement (``sql.CLAIM_COMPLETING``): the jobs claimed, and the ids of those completed.
+    Each completion is fenced as ``complete()``'s, and one the fence refused is logged the
+    same way; the statement is one transaction, so a failure writes neither part."""
+    claims = fences(jobs)
+    params = {
+        "queue": queue,
+        "limit": limit,
+        "lease": lease,
+        "worker_id": worker_id,
+        "synchronous_commit": synchronous_commit,
+        "suspects": False,
+        "tasks": tasks,
+        "claims": _completions(claims, results),
+    }
+    rows = sql.run(connection, sql.limited(sql.CLAIM_COMPLETING, limit), params)
+    done = set(rows[0][-1] or ()) if rows else set()
+    _refused("complete", claims, done)
+    return _claimed([row[:-1] for row in rows if row[0] is not None]), done
+
+
+def _claimed(rows: list[tuple[Any, ...]]) -> list[ClaimedJob]:
+    """The jobs of a claim's rows (``sql._CLAIM_RETURNING``'s columns)."""
     jobs = []
     for row in rows:
         job_id, job_queue, task, text, attempts, max_attempts, claimed_at, outages = row[:8]
@@ -260,6 +298,12 @@ def complete(
     synchronous_commit: str | None,
 ) -> set[int]:
     claims = fences(jobs)
+    params = {"claims": _completions(claims, results), "synchronous_commit": synchronous_commit}
+    return {row[0] for row in fenced(connection, "complete", sql.COMPLETE, claims, params)}
+
+
+def _completions(claims: dict[str, list[Any]], results: Mapping[int, Any]) -> str:
+    """``sql.COMPLETE``'s one JSON parameter: each claim's fence and its job's result."""
     items = []
     for job_id, attempts, claimed_at in zip(
         claims["ids"], claims["attempts"], claims["claimed_at"], strict=True
@@ -271,8 +315,7 @@ def complete(
             + ("" if text is None else f',"result":{text}')
             + "}"
         )
-    params = {"claims": f"[{','.join(items)}]", "synchronous_commit": synchronous_commit}
-    return {row[0] for row in fenced(connection, "complete", sql.COMPLETE, claims, params)}
+    return f"[{','.join(items)}]"
 
 
 @dataclass(frozen=True)
@@ -388,7 +431,12 @@ def fenced(
     if not claims["ids"]:
         return []
     rows = sql.run(connection, statement, params)
-    changed = {row[0] for row in rows}
+    _refused(action, claims, {row[0] for row in rows})
+    return rows
+
+
+def _refused(action: str, claims: dict[str, list[Any]], changed: set[int]) -> None:
+    """Log each claim a fenced write did not change: the job is no longer ours."""
     for job_id, attempt in zip(claims["ids"], claims["attempts"], strict=True):
         if job_id not in changed:
             logger.warning(
@@ -398,7 +446,6 @@ def fenced(
                 attempt,
                 extra={"action": action, "job_id": job_id, "attempts": attempt},
             )
-    return rows
 
 
 def reap(

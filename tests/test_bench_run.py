@@ -9,7 +9,6 @@ import pytest
 
 from benchmarks.peers import NAMES
 from benchmarks.run import requested_peers
-from django_pgjobs import sql
 from django_pgjobs.connections import connection_params
 from django_pgjobs.models import Job
 from testproject.testjobs import noop
@@ -47,7 +46,7 @@ def test_the_combined_probe_completes_each_job_once_either_way(together: bool) -
 
     Job.objects.enqueue_many(noop, [{}] * 21)
     with psycopg.connect(**connection_params("default", "pgjobs-test"), autocommit=True) as conn:
-        claimed = drain(conn, sql.limited(sql.CLAIM, 8), together, BASE)
+        claimed = drain(conn, 8, together, BASE)
     assert claimed == 21
     assert status_counts() == {"done": 21}
     assert set(Job.objects.values_list("attempts", flat=True)) == {1}

@@ -12,6 +12,14 @@ job whose extension changes no row has been taken from us: it is marked cancelle
 running at its deadline (start + timeout) is marked timed out, no longer heartbeated, and
 failed with ``JobTimeout``; the worker is told so it can replace the executor stuck in it.
 Deadlines and heartbeats share one wait, so an idle completer sleeps.
+
+Completions may instead ride with the producer's next claim (``sql.CLAIM_COMPLETING``): while
+the producer says it will claim as soon as a slot frees (``ride()``), a job's completion
+waits for that claim, which an executor finishing a job brings about at once. The producer
+takes them (``take_completions()``), writes them in its claim's statement and reports what it
+wrote (``completed()``), or gives them back when the statement failed (``give_back()``). A
+completion waits for a claim at most ``RIDE_WAIT``, and any other outcome is written at once,
+completions along.
 """
 
 from __future__ import annotations
@@ -48,6 +56,11 @@ if TYPE_CHECKING:
     from django_pgjobs.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger("django_pgjobs.worker")
+
+# How long a completion waits for the producer's claim before the completer writes it itself.
+# The claim comes at once as a rule (the finished job freed a slot); this bounds the rare case
+# that it does not (the freed slot's queues are all guarded, a slow claim).
+RIDE_WAIT = 0.02
 
 
 @dataclass
@@ -93,6 +106,12 @@ class Completer(threading.Thread):
         self.metrics = metrics
         self._cond = threading.Condition()
         self._pending: list[Outcome] = []
+        # Monotonic time the oldest pending outcome was recorded.
+        self._pending_since = math.inf
+        # Whether completions wait for the producer's next claim (ride()).
+        self._riding = False
+        # Completions the producer wrote, and the ids its fence let through (completed()).
+        self._written: list[tuple[list[Outcome], set[int]]] = []
         self._running: dict[int, _Running] = {}
         # Every job this worker claimed and has not yet written an outcome for.
         self._held: dict[int, ClaimedJob] = {}
@@ -153,7 +172,43 @@ class Completer(threading.Thread):
 
     def record(self, outcome: Outcome) -> None:
         with self._cond:
+            if not self._pending:
+                self._pending_since = time.monotonic()
             self._pending.append(outcome)
+            self._cond.notify()
+
+    # -- called by the producer ----------------------------------------------------------
+
+    def ride(self, riding: bool) -> None:
+        """Whether the producer claims as soon as a slot frees: completions recorded while it
+        does wait for that claim (at most ``RIDE_WAIT``); once it does not, they are written."""
+        with self._cond:
+            if riding != self._riding:
+                self._riding = riding
+                self._cond.notify()
+
+    def take_completions(self) -> list[Outcome]:
+        """The completions waiting to be written, now the producer's to write."""
+        with self._cond:
+            taken = [o for o in self._pending if o.action == COMPLETE]
+            if taken:
+                self._pending = [o for o in self._pending if o.action != COMPLETE]
+            return taken
+
+    def completed(self, group: list[Outcome], done: set[int]) -> None:
+        """The producer wrote ``group`` (from ``take_completions()``); ``done``: the ids its
+        fence let through. They are counted, logged, announced (``job_finished``) and
+        forgotten on this thread, as its own writes are, off the producer's path."""
+        with self._cond:
+            self._written.append((group, done))
+            self._cond.notify()
+
+    def give_back(self, group: list[Outcome]) -> None:
+        """The producer's statement failed: nothing of ``group`` was written; write it here."""
+        with self._cond:
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending[:0] = group
             self._cond.notify()
 
     # -- called by the worker ------------------------------------------------------------
@@ -175,21 +230,29 @@ class Completer(threading.Thread):
         try:
             while True:
                 with self._cond:
-                    while not (self._pending or self._closing or self._due() <= 0):
-                        due = self._due()
-                        self._cond.wait(None if due == float("inf") else due)
+                    while not (
+                        self._written or self._writable() or self._closing or self._due() <= 0
+                    ):
+                        wait = self._wait()
+                        self._cond.wait(None if wait == math.inf else wait)
                     late = self._time_out()
                     closing = self._closing
+                    written, self._written = self._written, []
+                for group, done in written:
+                    self._finished(group, dict.fromkeys(done, "done"))
                 # The failures are built here, without the lock: the job's retry policy (a
                 # backoff callable: user code) decides them.
                 failures = [timed_out(r.job, r.job.timeout or 0.0) for r in late if r.ours]
                 with self._cond:
                     self._pending.extend(failures)
-                    batch, self._pending = self._pending, []
+                    # Completions still waiting for the producer's claim stay.
+                    batch: list[Outcome] = []
+                    if self._writable():
+                        batch, self._pending = self._pending, []
                 if self.on_timeout is not None:
                     for running in late:
                         self.on_timeout(running.job)
-                wrote = bool(batch)
+                wrote = bool(batch or written)
                 try:
                     try:
                         self._write(batch)
@@ -255,6 +318,23 @@ class Completer(threading.Thread):
                     extra={"action": outcome.action, "job_id": outcome.job.id},
                 )
             batch.pop(0)
+
+    def _writable(self) -> bool:
+        """Whether pending outcomes are to be written now (called holding the lock): all but
+        completions waiting, for less than ``RIDE_WAIT``, for the producer's claim."""
+        if not self._pending:
+            return False
+        if not self._riding or self._closing or time.monotonic() - self._pending_since >= RIDE_WAIT:
+            return True
+        return any(o.action != COMPLETE for o in self._pending)
+
+    def _wait(self) -> float:
+        """Seconds until something is due: a heartbeat, a deadline, or the end of the wait of
+        pending completions for a claim (inf when nothing is coming)."""
+        due = self._due()
+        if self._pending:
+            due = min(due, max(0.0, self._pending_since + RIDE_WAIT - time.monotonic()))
+        return due
 
     def _due(self) -> float:
         """Seconds until the next heartbeat or deadline (inf when neither is coming)."""

@@ -24,7 +24,7 @@ from django_pgjobs import sql
 from django_pgjobs.context import JobContext
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
-from django_pgjobs.worker.db import reset_all, tidy
+from django_pgjobs.worker.db import reset_all, tidy, unavailable
 from django_pgjobs.worker.executor import Shared, acall, call, context
 from django_pgjobs.worker.outcomes import RELEASE, Outcome, announce
 
@@ -84,16 +84,20 @@ class LeaseMode:
         idle: bool = False,
         tasks: sql.TextArray | None = None,
     ) -> int:
-        jobs = self.store.claim(
-            queue_name,
-            wanted,
-            self.lease,
-            self.worker_id,
-            suspects=suspects,
-            guarded=guarded,
-            idle=idle,
-            tasks=tasks,
-        )
+        riding = [] if suspects or guarded else self.completer.take_completions()
+        if riding:
+            jobs = self._claim_completing(queue_name, wanted, riding, tasks)
+        else:
+            jobs = self.store.claim(
+                queue_name,
+                wanted,
+                self.lease,
+                self.worker_id,
+                suspects=suspects,
+                guarded=guarded,
+                idle=idle,
+                tasks=tasks,
+            )
         if not suspects or (idle and jobs and not any(job.crashes for job in jobs)):
             # Suspects were (or may have been) left out of this claim.
             self.skipped.add(queue_name)
@@ -116,6 +120,40 @@ class LeaseMode:
                 self.solo = job
         self.hand_out(*jobs)
         return len(jobs)
+
+    def _claim_completing(
+        self, queue_name: str, wanted: int, riding: list[Outcome], tasks: sql.TextArray | None
+    ) -> list[ClaimedJob]:
+        """The busy claim, with the completer's waiting completions written in its statement
+        (``sql.CLAIM_COMPLETING``). If it fails they go back to the completer, unwritten (the
+        statement is one transaction); a failure that is not an outage may be theirs (a
+        result that cannot be stored), so the claim is made again without them, and the
+        completer writes them one by one if need be."""
+        try:
+            jobs, done = self.store.claim_completing(
+                queue_name,
+                wanted,
+                self.lease,
+                self.worker_id,
+                [o.job for o in riding],
+                {o.job.id: o.result for o in riding},
+                tasks=tasks,
+            )
+        except Exception as exc:
+            self.completer.give_back(riding)
+            if unavailable(exc):
+                raise
+            logger.warning(
+                "claiming with %s completions failed (%s); claiming without them",
+                len(riding),
+                exc,
+                extra={"action": "claim", "queue": queue_name, "worker_id": self.worker_id},
+            )
+            return self.store.claim(
+                queue_name, wanted, self.lease, self.worker_id, suspects=False, tasks=tasks
+            )
+        self.completer.completed(riding, done)
+        return jobs
 
     def passed_over(self) -> bool:
         """Whether a claim made while busy left suspects out, and the worker is idle now: the

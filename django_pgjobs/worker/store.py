@@ -82,6 +82,32 @@ class Store:
             idle=idle,
         )
 
+    def claim_completing(
+        self,
+        queue: str,
+        limit: int,
+        lease: timedelta,
+        worker_id: str,
+        jobs: Iterable[Claim],
+        results: dict[int, Any],
+        *,
+        tasks: sql.TextArray | None = None,
+    ) -> tuple[list[ClaimedJob], set[int]]:
+        """A busy claim that completes ``jobs`` in the same statement
+        (``lifecycle.claim_completing``): the jobs claimed, the ids completed."""
+        connection, commit = self._connection()
+        return lifecycle.claim_completing(
+            connection,
+            queue=queue,
+            limit=limit,
+            lease=lease,
+            worker_id=worker_id,
+            synchronous_commit=commit,
+            tasks=self._tasks if tasks is None else tasks,
+            jobs=jobs,
+            results=results,
+        )
+
     def complete(self, jobs: Iterable[Claim], results: dict[int, Any]) -> set[int]:
         connection, commit = self._connection()
         return lifecycle.complete(connection, jobs, results, synchronous_commit=commit)

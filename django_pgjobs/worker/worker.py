@@ -401,6 +401,8 @@ class Worker:
         try:
             self._produce(completer, listener, scheduler)
         finally:
+            # Completions from here on are the completer's to write at once.
+            completer.ride(False)
             self._shut_down(executors, completer, listener)
         stuck = self._stuck()
         logger.info(
@@ -518,6 +520,8 @@ class Worker:
                     raise
                 maybe_more = True
                 failed_at = time.monotonic()
+                # The completer retries its writes itself, on its own connection.
+                completer.ride(False)
                 self.store.close()
                 backoff.failed(self.database, exc, self.stopping)
                 continue
@@ -531,7 +535,24 @@ class Worker:
                 return
             ticks_at = scheduler.next_step if scheduler is not None else None
             wake_at = min(t for t in (next_tick, next_due, ticks_at) if t is not None)
+            # Completions recorded while this waits ride with the claim that their freed slots
+            # wake it to make, if it is to make one.
+            completer.ride(self._claims_next(maybe_more))
             self._wake.wait(max(0.0, wake_at - time.monotonic()))
+
+    def _claims_next(self, maybe_more: bool) -> bool:
+        """Whether the producer will make a plain claim when a slot frees (only a plain claim
+        takes completions along): a lease-mode worker with a queue that is not guarded, whose
+        queues may hold more, not stopping, with claims left and no suspect running alone."""
+        lease_mode = self._lease_mode
+        return (
+            lease_mode is not None
+            and maybe_more
+            and any(queue not in self._guarded for queue in self.queues)
+            and not self.stopping.is_set()
+            and (self.max_jobs is None or self.stats.claimed < self.max_jobs)
+            and lease_mode.solo is None
+        )
 
     def _look(self) -> float | None:
         """Learn which of our queues need the guarded claim; return the monotonic time when

@@ -1,0 +1,252 @@
+"""A busy worker's completions ride with its next claim (``sql.CLAIM_COMPLETING``): one
+statement, one transaction, each completion still fenced, and nothing written when it fails.
+
+The worker's own parts run in this process: a lease-mode producer side (``LeaseMode``), a
+completer started only when the test says, and executors that run only when the test hands
+them a job."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from django_pgjobs.lifecycle import ClaimedJob
+from django_pgjobs.models import Job
+from django_pgjobs.worker.completer import Completer
+from django_pgjobs.worker.db import unavailable
+from django_pgjobs.worker.executor import Shared
+from django_pgjobs.worker.lease import LeaseMode
+from django_pgjobs.worker.outcomes import COMPLETE, WorkerStats
+from django_pgjobs.worker.store import Store
+from testproject.testjobs import noop
+from tests.helpers import wait_until
+from tests.workers import Workers, counts, query, scalar
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@dataclass
+class Parts:
+    store: Store
+    stats: WorkerStats
+    completer: Completer
+    mode: LeaseMode
+    handed: list[ClaimedJob]
+
+    def run(self, job: ClaimedJob) -> None:
+        """Run ``job`` on this thread as an executor would: its outcome goes to the completer."""
+        self.mode.execute(job)
+
+
+@pytest.fixture
+def parts() -> Iterator[Parts]:
+    lease = timedelta(minutes=5)
+    store = Store("default", direct=True, synchronous_commit=None, prepare=False)
+    stats = WorkerStats()
+    handed: list[ClaimedJob] = []
+    completer = Completer(store, lease, stats, "test")
+    shared = Shared(
+        store, lease, "test", stats, threading.Event(), lambda *items: handed.extend(items)
+    )
+    try:
+        yield Parts(store, stats, completer, LeaseMode(shared, completer), handed)
+    finally:
+        if completer.is_alive():
+            completer.close(timeout=5)
+        store.close()
+
+
+def enqueue(count: int) -> list[int]:
+    return [Job.objects.enqueue(noop, {"n": n}).id for n in range(count)]
+
+
+def row(job_id: int) -> tuple[str, int, str]:
+    """A job's status, attempts, and the id of the transaction that last wrote it."""
+    ((status, attempts, xmin),) = query(
+        "SELECT status, attempts, xmin::text FROM pgjobs_job WHERE id = %s", [job_id]
+    )
+    return status, attempts, xmin
+
+
+def test_a_completion_rides_with_the_next_busy_claim_in_its_transaction(parts: Parts) -> None:
+    first, second, third = enqueue(3)
+    assert parts.mode.dispatch("default", 1) == 1
+    parts.run(parts.handed[0])
+    assert row(first)[:2] == ("running", 1)  # recorded, not written: the completer is not started
+
+    # Busy (the first job is still held until its outcome is written): the plain claim, which
+    # takes the waiting completion along.
+    assert parts.mode.dispatch("default", 2) == 2
+    assert [job.id for job in parts.handed] == [first, second, third]
+    done, claimed = row(first), [row(second), row(third)]
+    assert done[:2] == ("done", 1)
+    assert [r[:2] for r in claimed] == [("running", 1), ("running", 1)]
+    # One transaction wrote all three rows.
+    assert {r[2] for r in claimed} == {done[2]}
+    assert parts.completer.take_completions() == []
+
+    # The completer counts and forgets what the claim wrote, as it does its own writes.
+    parts.completer.start()
+    wait_until(lambda: parts.stats.done == 1, message="the ridden completion to be counted")
+    assert {job.id for job in parts.completer.held()} == {second, third}
+
+
+def test_a_ridden_completion_is_fenced(parts: Parts, caplog: pytest.LogCaptureFixture) -> None:
+    first, second = enqueue(2)
+    assert parts.mode.dispatch("default", 1) == 1
+    parts.run(parts.handed[0])
+    # Cancelled after its function returned, before the outcome reached the table.
+    Job.objects.cancel([first])
+    cancelled = row(first)
+
+    with caplog.at_level(logging.WARNING, logger="django_pgjobs"):
+        assert parts.mode.dispatch("default", 1) == 1
+
+    # The fence refused the completion; the claim in the same statement went through.
+    assert row(first) == cancelled
+    assert row(second)[:2] == ("running", 1)
+    assert f"complete of job {first} (attempt 1) changed nothing" in caplog.text
+    parts.completer.start()
+    wait_until(lambda: parts.stats.cancelled == 1, message="the refused completion counted")
+    assert (parts.stats.done, parts.stats.lost) == (0, 0)
+
+
+def test_a_claim_that_meets_an_outage_gives_its_completions_back(parts: Parts) -> None:
+    first, second = enqueue(2)
+    assert parts.mode.dispatch("default", 1) == 1
+    parts.run(parts.handed[0])
+    # The producer's own connection is cut before its next claim.
+    pid = parts.store.direct.get().info.backend_pid  # type: ignore[union-attr]
+    assert scalar("SELECT pg_terminate_backend(%s)", [pid]) is True
+
+    with pytest.raises(Exception) as raised:
+        parts.mode.dispatch("default", 1)
+
+    assert unavailable(raised.value)
+    # Neither part was written; the completion is the completer's again.
+    assert row(first)[:2] == ("running", 1)
+    assert row(second)[:2] == ("queued", 0)
+    assert [(o.job.id, o.action) for o in parts.completer._pending] == [(first, COMPLETE)]
+    parts.store.close()
+    parts.completer.start()
+    wait_until(lambda: row(first)[0] == "done", message="the completer to write it")
+    assert parts.mode.dispatch("default", 1) == 1
+    assert row(second)[:2] == ("running", 1)
+    assert parts.stats.done == 1
+
+
+def test_a_completion_the_database_refuses_does_not_stop_the_claim(
+    parts: Parts, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = enqueue(2)
+    # A rule of the user's, in the database: this one job may not be marked done.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            CREATE FUNCTION refuse_done() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN RAISE EXCEPTION 'this job may not be done'; END $$
+            """
+        )
+        cursor.execute(
+            "CREATE TRIGGER refuse_done BEFORE UPDATE ON pgjobs_job FOR EACH ROW "
+            f"WHEN (NEW.status = 'done' AND NEW.id = {first:d}) EXECUTE FUNCTION refuse_done()"
+        )
+    try:
+        assert parts.mode.dispatch("default", 1) == 1
+        parts.run(parts.handed[0])
+
+        with caplog.at_level(logging.WARNING, logger="django_pgjobs"):
+            assert parts.mode.dispatch("default", 1) == 1
+
+        # The claim was made again without the completion, which went back to the completer.
+        assert "claiming with 1 completions failed" in caplog.text
+        assert row(second)[:2] == ("running", 1)
+        assert [o.job.id for o in parts.completer._pending] == [first]
+        # The completer writes it on its own, fails alone, and drops it (its lease will expire
+        # and the reaper will take it back).
+        parts.completer.start()
+        wait_until(lambda: not parts.completer._pending, message="the completer to try it")
+        wait_until(
+            lambda: f"could not record the outcome of job {first}" in caplog.text,
+            message="the completer to give up on it",
+        )
+        assert row(first)[:2] == ("running", 1)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER refuse_done ON pgjobs_job")
+            cursor.execute("DROP FUNCTION refuse_done()")
+
+
+def test_completions_wait_for_the_claim_only_while_the_producer_will_make_one(
+    parts: Parts,
+) -> None:
+    (first,) = enqueue(1)
+    parts.completer.start()
+    parts.completer.ride(True)
+    assert parts.mode.dispatch("default", 1) == 1
+    parts.run(parts.handed[0])
+    # No claim comes (the queue is empty and nothing wakes the producer): the completer writes
+    # the completion itself once its wait for a claim is over.
+    wait_until(lambda: row(first)[0] == "done", message="the completion written without a claim")
+
+    (second,) = enqueue(1)
+    assert parts.mode.dispatch("default", 1) == 1
+    parts.run(parts.handed[1])
+    # The producer says it will not claim: written at once.
+    parts.completer.ride(False)
+    wait_until(lambda: row(second)[0] == "done", message="the completion written")
+    assert parts.stats.done == 2
+
+
+AUDIT = [
+    "CREATE TABLE ride_audit (tx bigint, done int, claimed int)",
+    """
+    CREATE FUNCTION ride_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+      INSERT INTO ride_audit
+      SELECT txid_current(),
+             count(*) FILTER (WHERE o.status = 'running' AND n.status = 'done'),
+             count(*) FILTER (WHERE o.status = 'queued' AND n.status = 'running')
+      FROM old_rows o JOIN new_rows n USING (id);
+      RETURN NULL;
+    END $$
+    """,
+    """
+    CREATE TRIGGER ride_audit AFTER UPDATE ON pgjobs_job
+      REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+      FOR EACH STATEMENT EXECUTE FUNCTION ride_audit()
+    """,
+]
+
+
+def test_a_busy_worker_process_writes_completions_with_its_claims(workers: Workers) -> None:
+    # Every transaction that updates jobs notes how many it finished and how many it claimed.
+    with connection.cursor() as cursor:
+        for statement in AUDIT:
+            cursor.execute(statement)
+    try:
+        Job.objects.enqueue_many(noop, [{"n": n} for n in range(400)])
+        worker = workers.burst("--concurrency", "4", "--reap-interval", "0")
+
+        assert counts() == {"done": 400}
+        assert query("SELECT attempts, count(*) FROM pgjobs_job GROUP BY attempts") == [(1, 400)]
+        assert "ran 400 jobs: 400 done" in worker.output()
+        # Some transactions did both: the completions rode with the claims.
+        ((both, finished),) = query(
+            "SELECT count(*) FILTER (WHERE done > 0 AND claimed > 0), coalesce(sum(done), 0) "
+            "FROM (SELECT tx, sum(done) AS done, sum(claimed) AS claimed "
+            "      FROM ride_audit GROUP BY tx) per_transaction"
+        )
+        assert both > 0
+        assert finished == 400
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER ride_audit ON pgjobs_job")
+            cursor.execute("DROP FUNCTION ride_audit()")
+            cursor.execute("DROP TABLE ride_audit")
