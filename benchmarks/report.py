@@ -149,7 +149,12 @@ def build_rows(
         worker, server = net_cpu(r), pg_cpu(r)
         return None if worker is None or server is None else worker + server
 
-    for source, name in (("w1_1x8", "1 process x 8"), ("w1_2x4", "2 processes x 4")):
+    for source, name in (
+        ("w1_1x8", "1 process x 8"),
+        ("w1_2x4", "2 processes x 4"),
+        ("w1_1x8_apart", "1 process x 8, completions apart"),
+        ("w1_2x4_apart", "2 processes x 4, completions apart"),
+    ):
         add(
             f"{source}.jobs_per_s",
             f"W1 execute, {name}",
@@ -164,7 +169,12 @@ def build_rows(
         "w1_1x8",
         lambda r: r["jobs"] / r["wall_s"],
     )
-    for source, name in (("w1_1x8", "1x8"), ("w1_2x4", "2x4")):
+    for source, name in (
+        ("w1_1x8", "1x8"),
+        ("w1_2x4", "2x4"),
+        ("w1_1x8_apart", "1x8 apart"),
+        ("w1_2x4_apart", "2x4 apart"),
+    ):
         add(
             f"{source}.worker_cpu",
             f"W1 {name} worker CPU (net of start-up)",
@@ -589,6 +599,26 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
     pairs = (
         ("W1 1x8 with the history / without", "w1_1x8_history.jobs_per_s", "w1_1x8.jobs_per_s"),
         ("W1 2x4 / 1x8", "w1_2x4.jobs_per_s", "w1_1x8.jobs_per_s"),
+        (
+            "W1 1x8 completions with the claim / apart",
+            "w1_1x8.jobs_per_s",
+            "w1_1x8_apart.jobs_per_s",
+        ),
+        (
+            "W1 2x4 completions with the claim / apart",
+            "w1_2x4.jobs_per_s",
+            "w1_2x4_apart.jobs_per_s",
+        ),
+        (
+            "W1 1x8 CPU per job, with the claim / apart",
+            "w1_1x8.total_cpu",
+            "w1_1x8_apart.total_cpu",
+        ),
+        (
+            "W1 2x4 CPU per job, with the claim / apart",
+            "w1_2x4.total_cpu",
+            "w1_2x4_apart.total_cpu",
+        ),
         (
             "claim + complete, history / none",
             "claim_history.claim_complete_ms",

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -102,12 +103,17 @@ class Bench:
 
     # -- processes --------------------------------------------------------------------------
 
-    def spawn(self, url: str, *args: str) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, url: str, *args: str, settings: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """``manage.py runjobs *args`` on ``url``; ``settings``: ``PGJOBS_*`` variables the test
+        project's settings read (testproject/settings.py), for a lever's comparison."""
         env = {
             **os.environ,
             "DATABASE_URL": url,
             "DJANGO_SETTINGS_MODULE": "benchmarks.settings",
             "PGJOBS_LOG_LEVEL": self.worker_log_level,
+            **(settings or {}),
         }
         for name in ("LISTEN_DATABASE_URL", "PGJOBS_TEST_DATABASE_NAME"):
             env.pop(name, None)
@@ -159,11 +165,13 @@ class Bench:
         supervised: bool = False,
         task: str = TASK,
         jobs: int | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """W1: N pre-enqueued no-op jobs, ``runjobs --burst`` in ``processes`` processes.
         ``keys``: the jobs spread round-robin over that many lock keys (none: no lock key).
         ``supervised``: one ``runjobs --burst --processes N`` instead of N commands (the cores
-        section); ``task`` and ``jobs`` replace the no-op and ``--jobs``."""
+        section); ``task`` and ``jobs`` replace the no-op and ``--jobs``; ``settings``: the
+        workers' ``PGJOBS_*`` variables (``spawn()``)."""
         n = self.sizes.jobs if jobs is None else jobs
         admin, alias, url = self._target(history)
         floor = self._reset(history)
@@ -179,9 +187,9 @@ class Bench:
         started = time.monotonic()
         burst = ("--burst", "--concurrency", str(concurrency))
         procs = (
-            [self.spawn(url, *burst, "--processes", str(processes))]
+            [self.spawn(url, *burst, "--processes", str(processes), settings=settings)]
             if supervised
-            else [self.spawn(url, *burst) for _ in range(processes)]
+            else [self.spawn(url, *burst, settings=settings) for _ in range(processes)]
         )
         results = self.reap(procs)
         wall = time.monotonic() - started

@@ -51,6 +51,7 @@ _IDS = {
     "CLAIM_REGISTERED_ONLY": "pgjobs.E014",
     "HEALTH_THRESHOLDS": "pgjobs.E015",
     "MONITORING_TOKEN": "pgjobs.E016",
+    "COMPLETE_WITH_CLAIM": "pgjobs.E017",
 }
 _HINTS = {
     "MODE": "'lease' (the default) commits each claim at once; 'transaction' runs each job "
@@ -65,6 +66,8 @@ _HINTS = {
     "NOTIFY": "'auto' (the default), 'background' or 'inline'.",
     "PREPARE": "True (the default), or False behind a transaction-mode pooler without "
     "prepared-statement support.",
+    "COMPLETE_WITH_CLAIM": "True (the default) writes a busy worker's completions with its next "
+    "claim; False writes them apart.",
     "CLAIM_REGISTERED_ONLY": "True (the default) claims only jobs whose task the worker has "
     "registered; False claims any job.",
     "HEALTH_THRESHOLDS": "For example {'lag': 120}: the oldest ready job may wait 120 s before "

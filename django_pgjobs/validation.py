@@ -466,6 +466,9 @@ SETTINGS: dict[str, Callable[[object], Any]] = {
         value, _setting("WORKER_SYNCHRONOUS_COMMIT")
     ),
     "PREPARE": lambda value: choice(_setting("PREPARE"), value, (True, False)),
+    "COMPLETE_WITH_CLAIM": lambda value: choice(
+        _setting("COMPLETE_WITH_CLAIM"), value, (True, False)
+    ),
     "CLAIM_REGISTERED_ONLY": lambda value: choice(
         _setting("CLAIM_REGISTERED_ONLY"), value, (True, False)
     ),

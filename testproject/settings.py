@@ -93,7 +93,7 @@ PGJOBS: dict[str, Any] = {
 # The levers of the worker's and the enqueue's speed, settable per process (tests behind
 # PgBouncer, the benchmark's comparisons): PGJOBS_PREPARE=false, PGJOBS_NOTIFY=inline, ...
 _WORDS = {"true": True, "false": False, "none": None}
-for _name in ("NOTIFY", "PREPARE", "WORKER_SYNCHRONOUS_COMMIT"):
+for _name in ("NOTIFY", "PREPARE", "WORKER_SYNCHRONOUS_COMMIT", "COMPLETE_WITH_CLAIM"):
     if f"PGJOBS_{_name}" in os.environ:
         _value = os.environ[f"PGJOBS_{_name}"]
         PGJOBS[_name] = _WORDS.get(_value.lower(), _value)

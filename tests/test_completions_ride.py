@@ -225,25 +225,35 @@ AUDIT = [
 ]
 
 
-def test_a_busy_worker_process_writes_completions_with_its_claims(workers: Workers) -> None:
+@pytest.mark.parametrize("with_claims", [True, False], ids=["with-claims", "apart"])
+def test_a_busy_worker_process_writes_completions_with_its_claims_unless_told_not_to(
+    workers: Workers, with_claims: bool
+) -> None:
     # Every transaction that updates jobs notes how many it finished and how many it claimed.
     with connection.cursor() as cursor:
         for statement in AUDIT:
             cursor.execute(statement)
     try:
         Job.objects.enqueue_many(noop, [{"n": n} for n in range(400)])
-        worker = workers.burst("--concurrency", "4", "--reap-interval", "0")
+        worker = workers.burst(
+            "--concurrency",
+            "4",
+            "--reap-interval",
+            "0",
+            env={"PGJOBS_COMPLETE_WITH_CLAIM": str(with_claims).lower()},
+        )
 
         assert counts() == {"done": 400}
         assert query("SELECT attempts, count(*) FROM pgjobs_job GROUP BY attempts") == [(1, 400)]
         assert "ran 400 jobs: 400 done" in worker.output()
-        # Some transactions did both: the completions rode with the claims.
+        # Some transactions did both (the completions rode with the claims), or, told not
+        # to, none did.
         ((both, finished),) = query(
             "SELECT count(*) FILTER (WHERE done > 0 AND claimed > 0), coalesce(sum(done), 0) "
             "FROM (SELECT tx, sum(done) AS done, sum(claimed) AS claimed "
             "      FROM ride_audit GROUP BY tx) per_transaction"
         )
-        assert both > 0
+        assert (both > 0) is with_claims
         assert finished == 400
     finally:
         with connection.cursor() as cursor:

@@ -87,6 +87,7 @@ class Completer(threading.Thread):
         on_timeout: Callable[[ClaimedJob], None] | None = None,
         on_written: Callable[[], None] | None = None,
         metrics: WorkerMetrics | None = None,
+        with_claims: bool = True,
     ) -> None:
         super().__init__(name="pgjobs-completer", daemon=True)
         self.store = store
@@ -108,7 +109,9 @@ class Completer(threading.Thread):
         self._pending: list[Outcome] = []
         # Monotonic time the oldest pending outcome was recorded.
         self._pending_since = math.inf
-        # Whether completions wait for the producer's next claim (ride()).
+        # Whether completions may ride with the producer's claims (PGJOBS["COMPLETE_WITH_CLAIM"]),
+        # and whether, now, they wait for its next one (ride()).
+        self.with_claims = with_claims
         self._riding = False
         # Completions the producer wrote, and the ids its fence let through (completed()).
         self._written: list[tuple[list[Outcome], set[int]]] = []
@@ -182,13 +185,17 @@ class Completer(threading.Thread):
     def ride(self, riding: bool) -> None:
         """Whether the producer claims as soon as a slot frees: completions recorded while it
         does wait for that claim (at most ``RIDE_WAIT``); once it does not, they are written."""
+        riding = riding and self.with_claims
         with self._cond:
             if riding != self._riding:
                 self._riding = riding
                 self._cond.notify()
 
     def take_completions(self) -> list[Outcome]:
-        """The completions waiting to be written, now the producer's to write."""
+        """The completions waiting to be written, now the producer's to write (none unless
+        completions ride with claims)."""
+        if not self.with_claims:
+            return []
         with self._cond:
             taken = [o for o in self._pending if o.action == COMPLETE]
             if taken:

@@ -353,6 +353,7 @@ class Worker:
             on_timeout=self._on_timeout,
             on_written=self._on_written,
             metrics=self.metrics,
+            with_claims=conf.complete_with_claim(),
         )
         self._completer = completer
         self._mode = self._make_mode(completer)
