@@ -34,8 +34,8 @@ from benchmarks import db, report  # noqa: E402
 from benchmarks.sizes import Sizes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-# The workers' setting for the W1 runs whose completions are written apart from the claims.
-APART = {"PGJOBS_COMPLETE_WITH_CLAIM": "false"}
+# The workers' setting for the W1 runs whose completions ride with their claims.
+RIDE = {"PGJOBS_COMPLETE_WITH_CLAIM": "true"}
 SECTIONS = (
     "w1",
     "w2",
@@ -48,7 +48,7 @@ SECTIONS = (
     "claimers",
     "cores",
     "async",
-    "apart",
+    "ride",
 )
 
 
@@ -372,18 +372,17 @@ def run_suite(
         ("w1", "w1_1x8", lambda: bench.execute(processes=1, concurrency=sizes.concurrency)),
         ("w1", "w1_2x4", lambda: bench.execute(processes=2, concurrency=sizes.concurrency // 2)),
         ("w1", "startup", bench.startup),
-        # The same W1 with each completion written by the completer on its own connection, not
-        # in the statement of the next claim (PGJOBS["COMPLETE_WITH_CLAIM"] off): the lever's
-        # before and after, side by side.
+        # The same W1 with a busy worker's completions written in the statement of its next
+        # claim (PGJOBS["COMPLETE_WITH_CLAIM"]): the lever's before and after, side by side.
         (
-            "apart",
-            "w1_1x8_apart",
-            lambda: bench.execute(processes=1, concurrency=sizes.concurrency, settings=APART),
+            "ride",
+            "w1_1x8_ride",
+            lambda: bench.execute(processes=1, concurrency=sizes.concurrency, settings=RIDE),
         ),
         (
-            "apart",
-            "w1_2x4_apart",
-            lambda: bench.execute(processes=2, concurrency=sizes.concurrency // 2, settings=APART),
+            "ride",
+            "w1_2x4_ride",
+            lambda: bench.execute(processes=2, concurrency=sizes.concurrency // 2, settings=RIDE),
         ),
         ("w2", "w2_single", bench.enqueue_single),
         ("w2", "w2_bare", bench.insert_bare),

@@ -66,8 +66,8 @@ _HINTS = {
     "NOTIFY": "'auto' (the default), 'background' or 'inline'.",
     "PREPARE": "True (the default), or False behind a transaction-mode pooler without "
     "prepared-statement support.",
-    "COMPLETE_WITH_CLAIM": "True (the default) writes a busy worker's completions with its next "
-    "claim; False writes them apart.",
+    "COMPLETE_WITH_CLAIM": "False (the default) writes a worker's completions apart from its "
+    "claims; True writes a busy worker's completions in its next claim's statement.",
     "CLAIM_REGISTERED_ONLY": "True (the default) claims only jobs whose task the worker has "
     "registered; False claims any job.",
     "HEALTH_THRESHOLDS": "For example {'lag': 120}: the oldest ready job may wait 120 s before "

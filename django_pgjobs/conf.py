@@ -57,9 +57,10 @@ DEFAULTS: dict[str, Any] = {
     # when DATABASE goes through a transaction-mode pooler that does not support them.
     "PREPARE": True,
     # Whether a busy lease-mode worker writes its completions in the statement of its next
-    # claim (one commit where there were two: less database CPU per job). False: the
-    # completer writes them on its own connection, in parallel with the claims.
-    "COMPLETE_WITH_CLAIM": True,
+    # claim (one commit where there were two: less database CPU per job, for a fleet that the
+    # database's CPU limits). False: the completer writes them on its own connection, in
+    # parallel with the claims (more jobs/s for one worker process on a small machine).
+    "COMPLETE_WITH_CLAIM": False,
     # Whether a worker claims only jobs whose task it has registered (safe rolling deploys: an
     # old worker leaves a new task's jobs to the new workers). False: it claims any job, and
     # fails one whose task it does not know.

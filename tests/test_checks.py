@@ -36,7 +36,7 @@ VALID: dict[str, Any] = {
     "NOTIFY": "inline",
     "WORKER_SYNCHRONOUS_COMMIT": None,
     "PREPARE": False,
-    "COMPLETE_WITH_CLAIM": False,
+    "COMPLETE_WITH_CLAIM": True,
     "CLAIM_REGISTERED_ONLY": False,
     "MAX_CRASHES": 1,
     "MAX_STUCK_EXECUTORS": 1,

@@ -50,7 +50,7 @@ def parts() -> Iterator[Parts]:
     store = Store("default", direct=True, synchronous_commit=None, prepare=False)
     stats = WorkerStats()
     handed: list[ClaimedJob] = []
-    completer = Completer(store, lease, stats, "test")
+    completer = Completer(store, lease, stats, "test", with_claims=True)
     shared = Shared(
         store, lease, "test", stats, threading.Event(), lambda *items: handed.extend(items)
     )

@@ -13,13 +13,13 @@ running at its deadline (start + timeout) is marked timed out, no longer heartbe
 failed with ``JobTimeout``; the worker is told so it can replace the executor stuck in it.
 Deadlines and heartbeats share one wait, so an idle completer sleeps.
 
-Completions may instead ride with the producer's next claim (``sql.CLAIM_COMPLETING``): while
-the producer says it will claim as soon as a slot frees (``ride()``), a job's completion
-waits for that claim, which an executor finishing a job brings about at once. The producer
-takes them (``take_completions()``), writes them in its claim's statement and reports what it
-wrote (``completed()``), or gives them back when the statement failed (``give_back()``). A
-completion waits for a claim at most ``RIDE_WAIT``, and any other outcome is written at once,
-completions along.
+With ``PGJOBS["COMPLETE_WITH_CLAIM"]`` (``with_claims``), completions ride with the producer's
+next claim instead (``sql.CLAIM_COMPLETING``): while the producer says it will claim as soon
+as a slot frees (``ride()``), a job's completion waits for that claim, which an executor
+finishing a job brings about at once. The producer takes them (``take_completions()``),
+writes them in its claim's statement and reports what it wrote (``completed()``), or gives
+them back when the statement failed (``give_back()``). A completion waits for a claim at most
+``RIDE_WAIT``, and any other outcome is written at once, completions along.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Completer(threading.Thread):
         on_timeout: Callable[[ClaimedJob], None] | None = None,
         on_written: Callable[[], None] | None = None,
         metrics: WorkerMetrics | None = None,
-        with_claims: bool = True,
+        with_claims: bool = False,
     ) -> None:
         super().__init__(name="pgjobs-completer", daemon=True)
         self.store = store
