@@ -359,9 +359,12 @@ class Bench:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise BenchAbort(f"W3 worker exited with {proc.returncode} before listening")
+            # The listener's first statement is its LISTEN; the only other it sends is the
+            # producer's probe (SELECT 1), which may follow at once: either one means it listens.
             listening = self.admin.one(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND application_name = 'pgjobs-listener' AND query ILIKE 'LISTEN%%'"
+                "AND application_name = 'pgjobs-listener' "
+                "AND (query ILIKE 'LISTEN%%' OR query = 'SELECT 1')"
             )
             if listening:
                 time.sleep(0.5)  # the worker's catch-up claim after LISTEN, then idle
