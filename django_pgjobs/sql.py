@@ -778,12 +778,13 @@ SELECT set_config('pgjobs.test_clock', ("""
 Connection: TypeAlias = "BaseDatabaseWrapper | psycopg.Connection[Any]"
 
 
-# The claim sizes limited() writes in. The producer's three claim kinds (CLAIM, CLAIM_IDLE,
-# CLAIM_COMPLETING) of up to this many sizes each stay, beside its other statements, within
-# the 100 prepared statements psycopg keeps per connection (``prepared_max``): past it,
-# psycopg would drop and prepare them again in turn, and no statement would live long enough
-# for its generic plan.
-WRITTEN_LIMITS = 24
+# The claim sizes limited() writes in: up to WRITTEN_LIMITS for CLAIM and CLAIM_IDLE, up to
+# COMPLETING_LIMITS for CLAIM_COMPLETING (PGJOBS["COMPLETE_WITH_CLAIM"] only). The producer's
+# claims of all sizes then stay, beside its other statements, within the 100 prepared
+# statements psycopg keeps per connection (``prepared_max``): past it, psycopg would drop and
+# prepare them again in turn, and no statement would live long enough for its generic plan.
+WRITTEN_LIMITS = 32
+COMPLETING_LIMITS = 16
 
 
 def limited(statement: LiteralString, limit: int) -> LiteralString:
@@ -798,8 +799,8 @@ def limited(statement: LiteralString, limit: int) -> LiteralString:
     server about a fifth less CPU without it: docs/internals/performance.md). With
     the number in the text the generic plan is the custom one, and PostgreSQL keeps it from
     the sixth claim of each size on (psycopg prepares one statement per size). A claim of
-    more than ``WRITTEN_LIMITS`` jobs keeps its bound LIMIT, planned afresh each time. The
-    number is an ``int``: nothing but digits is ever written in.
+    more than ``WRITTEN_LIMITS`` (``COMPLETING_LIMITS``) jobs keeps its bound LIMIT, planned
+    afresh each time. The number is an ``int``: nothing but digits is ever written in.
     """
     # Checked before the cache, which would take True for 1 (equal, and of equal hash).
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
@@ -811,7 +812,7 @@ def limited(statement: LiteralString, limit: int) -> LiteralString:
 def _written_in(statement: LiteralString, limit: int) -> LiteralString:
     if statement.count("LIMIT %(limit)s") != 1:
         raise ValueError("limited() writes in the one LIMIT %(limit)s of a claim statement")
-    if limit > WRITTEN_LIMITS:
+    if limit > (COMPLETING_LIMITS if statement == CLAIM_COMPLETING else WRITTEN_LIMITS):
         return statement
     return statement.replace("%(limit)s", str(limit))
 

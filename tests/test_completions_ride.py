@@ -18,6 +18,7 @@ from django.db import connection
 
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.models import Job
+from django_pgjobs.worker import completer as completer_module
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import unavailable
 from django_pgjobs.worker.executor import Shared
@@ -135,28 +136,31 @@ def test_a_claim_that_meets_an_outage_gives_its_completions_back(parts: Parts) -
     assert [(o.job.id, o.action) for o in parts.completer._pending] == [(first, COMPLETE)]
     parts.store.close()
     parts.completer.start()
-    wait_until(lambda: row(first)[0] == "done", message="the completer to write it")
+    wait_until(lambda: parts.stats.done == 1, message="the completer to write and count it")
+    assert row(first)[:2] == ("done", 1)
     assert parts.mode.dispatch("default", 1) == 1
     assert row(second)[:2] == ("running", 1)
-    assert parts.stats.done == 1
+
+
+def refuse_done(job_id: int) -> list[str]:
+    """A rule of the user's, in the database: this one job may not be marked done."""
+    return [
+        """
+        CREATE FUNCTION refuse_done() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN RAISE EXCEPTION 'this job may not be done'; END $$
+        """,
+        "CREATE TRIGGER refuse_done BEFORE UPDATE ON pgjobs_job FOR EACH ROW "
+        f"WHEN (NEW.status = 'done' AND NEW.id = {job_id:d}) EXECUTE FUNCTION refuse_done()",
+    ]
 
 
 def test_a_completion_the_database_refuses_does_not_stop_the_claim(
     parts: Parts, caplog: pytest.LogCaptureFixture
 ) -> None:
     first, second = enqueue(2)
-    # A rule of the user's, in the database: this one job may not be marked done.
     with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            CREATE FUNCTION refuse_done() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN RAISE EXCEPTION 'this job may not be done'; END $$
-            """
-        )
-        cursor.execute(
-            "CREATE TRIGGER refuse_done BEFORE UPDATE ON pgjobs_job FOR EACH ROW "
-            f"WHEN (NEW.status = 'done' AND NEW.id = {first:d}) EXECUTE FUNCTION refuse_done()"
-        )
+        for statement in refuse_done(first):
+            cursor.execute(statement)
     try:
         assert parts.mode.dispatch("default", 1) == 1
         parts.run(parts.handed[0])
@@ -183,25 +187,88 @@ def test_a_completion_the_database_refuses_does_not_stop_the_claim(
             cursor.execute("DROP FUNCTION refuse_done()")
 
 
-def test_completions_wait_for_the_claim_only_while_the_producer_will_make_one(
-    parts: Parts,
+def test_completions_wait_for_a_claim_only_while_the_producer_will_make_one(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (first,) = enqueue(1)
+    first, second, third = enqueue(3)
     parts.completer.start()
-    parts.completer.ride(True)
     assert parts.mode.dispatch("default", 1) == 1
     parts.run(parts.handed[0])
-    # No claim comes (the queue is empty and nothing wakes the producer): the completer writes
-    # the completion itself once its wait for a claim is over.
-    wait_until(lambda: row(first)[0] == "done", message="the completion written without a claim")
+    # Not riding (the producer will not claim): written at once.
+    wait_until(lambda: parts.stats.done == 1, message="the completion written")
+    assert row(first)[:2] == ("done", 1)
 
-    (second,) = enqueue(1)
+    # Riding, with no bound on the wait: the completion waits for the claim...
+    monkeypatch.setattr(completer_module, "RIDE_WAIT", 3600.0)
+    parts.completer.ride(True)
     assert parts.mode.dispatch("default", 1) == 1
     parts.run(parts.handed[1])
-    # The producer says it will not claim: written at once.
+    parts.completer.ride(True)  # a wake-up of the completer that writes nothing
+    assert [o.job.id for o in parts.completer._pending] == [second]
+    assert row(second)[:2] == ("running", 1)
+    # ...until the producer says it will make none.
     parts.completer.ride(False)
-    wait_until(lambda: row(second)[0] == "done", message="the completion written")
-    assert parts.stats.done == 2
+    wait_until(lambda: parts.stats.done == 2, message="the completion written once not riding")
+    assert row(second)[:2] == ("done", 1)
+
+    # The wait is bounded: riding, but no claim comes.
+    monkeypatch.setattr(completer_module, "RIDE_WAIT", 0.02)
+    parts.completer.ride(True)
+    assert parts.mode.dispatch("default", 1) == 1
+    parts.run(parts.handed[2])
+    wait_until(lambda: parts.stats.done == 3, message="the completion written without a claim")
+    assert row(third)[:2] == ("done", 1)
+
+
+def test_a_guarded_queues_completions_never_wait_for_a_claim(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limited = Job.objects.enqueue(noop, {}, queue="limited").id
+    monkeypatch.setattr(completer_module, "RIDE_WAIT", 3600.0)
+    parts.completer.start()
+    # The producer claims "limited" through the guarded claim, which takes no completions:
+    # under a limit the finished job counts until it is written.
+    parts.completer.ride(True, frozenset({"limited"}))
+    assert parts.mode.dispatch("limited", 1) == 1
+    parts.run(parts.handed[0])
+    wait_until(lambda: parts.stats.done == 1, message="the guarded queue's completion written")
+    assert row(limited)[:2] == ("done", 1)
+
+
+def test_completions_a_claim_failed_on_are_written_apart_from_then_on(
+    parts: Parts, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Completions wait for a claim however long the test takes to make one.
+    monkeypatch.setattr(completer_module, "RIDE_WAIT", 3600.0)
+    refused, good, *rest = enqueue(6)
+    with connection.cursor() as cursor:
+        for statement in refuse_done(refused):
+            cursor.execute(statement)
+    try:
+        parts.completer.start()
+        parts.completer.ride(True)
+        assert parts.mode.dispatch("default", 2) == 2
+        with caplog.at_level(logging.WARNING, logger="django_pgjobs"):
+            for job in parts.handed[:2]:
+                parts.run(job)
+            # Busy claims, one after another, as a busy worker makes them: the first takes
+            # both completions and fails on one; from then on they are the completer's.
+            for _ in range(4):
+                assert parts.mode.dispatch("default", 1) == 1
+            wait_until(
+                lambda: f"could not record the outcome of job {refused}" in caplog.text,
+                message="the completer to give up on the refused completion",
+            )
+        assert caplog.text.count("claiming with 2 completions failed") == 1
+        assert "claiming with 1 completions failed" not in caplog.text
+        wait_until(lambda: parts.stats.done == 1, message="the good completion counted")
+        assert row(good)[:2] == ("done", 1)
+        assert row(refused)[:2] == ("running", 1)
+        assert [row(job_id)[:2] for job_id in rest] == [("running", 1)] * 4
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER refuse_done ON pgjobs_job")
+            cursor.execute("DROP FUNCTION refuse_done()")
 
 
 AUDIT = [

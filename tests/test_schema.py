@@ -39,6 +39,8 @@ class ClaimPlanTests(TransactionTestCase):
             ("busy", sql.CLAIM, {"suspects": False}, ["next"]),
             ("any", sql.CLAIM, {"suspects": True}, ["next"]),
             ("idle", sql.CLAIM_IDLE, {}, ["head", "rest"]),
+            # A busy claim that completes jobs in the same statement (COMPLETE_WITH_CLAIM).
+            ("completing", sql.CLAIM_COMPLETING, {"suspects": False, "claims": "[]"}, ["next"]),
         ]
         with connection.cursor() as cursor:
             cursor.execute("ANALYZE pgjobs_job")
@@ -57,7 +59,9 @@ class ClaimPlanTests(TransactionTestCase):
                 plan = generic_plan(limited, params) if generic else custom_plan(limited, params)
                 text = "\n".join(plan)
                 assert "Seq Scan on pgjobs_job" not in text, text
-                assert re.search(r"Index Scan using pgjobs_job_pkey on pgjobs_job j\b", text), text
+                assert re.search(
+                    r"Index Scan using pgjobs_job_pkey on pgjobs_job j(_\d+)?\b", text
+                ), text
                 for cte in ctes:
                     part = cte_of(plan, cte)
                     shown = "\n".join(part)
@@ -79,6 +83,7 @@ CLAIM_TYPES = {
     "synchronous_commit": "text",
     "tasks": "text",
     "suspects": "bool",
+    "claims": "text",
 }
 
 
@@ -139,12 +144,43 @@ class ClaimPlanCacheTests(TransactionTestCase):
             ).fetchall()
         assert plans == [(2, 5)] * 4, plans
 
+    def test_claims_that_complete_jobs_are_planned_once_per_batch_size(self) -> None:
+        make_jobs(5000)
+        with raw_connect() as conn:
+            conn.prepare_threshold = 0
+            conn.execute("ANALYZE pgjobs_job")
+            claim = {
+                "queue": "default",
+                "lease": timedelta(minutes=5),
+                "worker_id": "plans",
+                "synchronous_commit": "off",
+            }
+            jobs = lifecycle.claim(conn, limit=3, suspects=False, **claim)  # type: ignore[arg-type]
+            for _ in range(7):
+                previous = jobs
+                jobs, done = lifecycle.claim_completing(
+                    conn, limit=3, tasks=None, jobs=previous, results={}, **claim
+                )  # type: ignore[arg-type]
+                assert len(jobs) == 3
+                assert done == {job.id for job in previous}
+            plans = conn.execute(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE %s",
+                ["%WITH done AS%"],
+            ).fetchall()
+        assert plans == [(2, 5)], plans
+
     def test_limited_writes_in_only_a_positive_integer(self) -> None:
         assert "LIMIT 7\n" in sql.limited(sql.CLAIM, 7)
         assert "LIMIT 7 - 1\n" in sql.limited(sql.CLAIM_IDLE, 7)
         # Past the sizes that fit psycopg's prepared statements, the LIMIT stays bound.
         assert f"LIMIT {sql.WRITTEN_LIMITS}\n" in sql.limited(sql.CLAIM, sql.WRITTEN_LIMITS)
         assert sql.limited(sql.CLAIM, sql.WRITTEN_LIMITS + 1) == sql.CLAIM
+        # A claim that completes jobs is one kind more on the producer's connection.
+        completing = sql.limited(sql.CLAIM_COMPLETING, sql.COMPLETING_LIMITS)
+        assert f"LIMIT {sql.COMPLETING_LIMITS}\n" in completing
+        limit = sql.COMPLETING_LIMITS + 1
+        assert sql.limited(sql.CLAIM_COMPLETING, limit) == sql.CLAIM_COMPLETING
         sql.limited(sql.CLAIM, 1)  # cached: True, equal to 1, must not find it there
         for bad in (0, -1, True, 2.0, "3"):
             with self.subTest(limit=bad), pytest.raises(ValueError, match="positive integer"):

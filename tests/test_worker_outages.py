@@ -43,10 +43,19 @@ def worker_connections(worker: Process) -> list[int]:
     return worker.backends() + listener_backends()
 
 
-def test_a_job_that_meets_a_lost_connection_is_released_not_failed(workers: Workers) -> None:
+@pytest.mark.parametrize("with_claims", [False, True], ids=["apart", "completions-with-claims"])
+def test_a_job_that_meets_a_lost_connection_is_released_not_failed(
+    workers: Workers, with_claims: bool
+) -> None:
     total = 600
     Job.objects.enqueue_many(count_orders, [{"pause": 0.02}] * total)
-    worker = workers.start("--concurrency", "4", *OUTAGE_OPTIONS, test_jobs=True)
+    worker = workers.start(
+        "--concurrency",
+        "4",
+        *OUTAGE_OPTIONS,
+        test_jobs=True,
+        env={"PGJOBS_COMPLETE_WITH_CLAIM": str(with_claims).lower()},
+    )
     ride_out_an_outage(worker, total, after=100, victims=6)
     worker.send(signal.SIGTERM)
     assert worker.wait() == 0

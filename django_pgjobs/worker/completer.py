@@ -113,6 +113,13 @@ class Completer(threading.Thread):
         # and whether, now, they wait for its next one (ride()).
         self.with_claims = with_claims
         self._riding = False
+        # The queues the producer claims through the guarded claim, which takes no completions:
+        # theirs never wait for a claim (under a limit, a job counts until it is written).
+        self._guarded: frozenset[str] = frozenset()
+        # Completions given back by a claim that failed for another reason than an outage
+        # (id() of each outcome): one of them may be what the database refuses, so they never
+        # ride again and are written here, one by one if need be.
+        self._alone: set[int] = set()
         # Completions the producer wrote, and the ids its fence let through (completed()).
         self._written: list[tuple[list[Outcome], set[int]]] = []
         self._running: dict[int, _Running] = {}
@@ -182,11 +189,13 @@ class Completer(threading.Thread):
 
     # -- called by the producer ----------------------------------------------------------
 
-    def ride(self, riding: bool) -> None:
-        """Whether the producer claims as soon as a slot frees: completions recorded while it
-        does wait for that claim (at most ``RIDE_WAIT``); once it does not, they are written."""
+    def ride(self, riding: bool, guarded: frozenset[str] = frozenset()) -> None:
+        """Whether the producer makes a plain claim as soon as a slot frees: completions
+        recorded while it does wait for that claim (at most ``RIDE_WAIT``), except those of
+        the ``guarded`` queues; once it does not, they are written."""
         riding = riding and self.with_claims
         with self._cond:
+            self._guarded = guarded
             if riding != self._riding:
                 self._riding = riding
                 self._cond.notify()
@@ -197,9 +206,10 @@ class Completer(threading.Thread):
         if not self.with_claims:
             return []
         with self._cond:
-            taken = [o for o in self._pending if o.action == COMPLETE]
+            taken = [o for o in self._pending if o.action == COMPLETE and id(o) not in self._alone]
             if taken:
-                self._pending = [o for o in self._pending if o.action != COMPLETE]
+                mine = {id(o) for o in taken}
+                self._pending = [o for o in self._pending if id(o) not in mine]
             return taken
 
     def completed(self, group: list[Outcome], done: set[int]) -> None:
@@ -210,12 +220,16 @@ class Completer(threading.Thread):
             self._written.append((group, done))
             self._cond.notify()
 
-    def give_back(self, group: list[Outcome]) -> None:
-        """The producer's statement failed: nothing of ``group`` was written; write it here."""
+    def give_back(self, group: list[Outcome], *, outage: bool) -> None:
+        """The producer's statement failed, so nothing of ``group`` was written: it is this
+        thread's again. After an ``outage`` it may ride with a later claim; otherwise it is
+        written here at once, on its own."""
         with self._cond:
             if not self._pending:
                 self._pending_since = time.monotonic()
             self._pending[:0] = group
+            if not outage:
+                self._alone.update(id(o) for o in group)
             self._cond.notify()
 
     # -- called by the worker ------------------------------------------------------------
@@ -244,9 +258,7 @@ class Completer(threading.Thread):
                         self._cond.wait(None if wait == math.inf else wait)
                     late = self._time_out()
                     closing = self._closing
-                    written, self._written = self._written, []
-                for group, done in written:
-                    self._finished(group, dict.fromkeys(done, "done"))
+                written = self._count_written()
                 # The failures are built here, without the lock: the job's retry policy (a
                 # backoff callable: user code) decides them.
                 failures = [timed_out(r.job, r.job.timeout or 0.0) for r in late if r.ours]
@@ -256,10 +268,11 @@ class Completer(threading.Thread):
                     batch: list[Outcome] = []
                     if self._writable():
                         batch, self._pending = self._pending, []
+                        self._alone.clear()
                 if self.on_timeout is not None:
                     for running in late:
                         self.on_timeout(running.job)
-                wrote = bool(batch or written)
+                wrote = bool(batch) or written
                 try:
                     try:
                         self._write(batch)
@@ -304,8 +317,19 @@ class Completer(threading.Thread):
                 if closing and not self._pending:
                     return
         finally:
+            # What the producer wrote is counted and announced even when this thread stops.
+            self._count_written()
             self.store.close()
             connections.close_all()
+
+    def _count_written(self) -> bool:
+        """Count, log and announce what the producer's claims wrote (``completed()``), and
+        forget those jobs; whether there was any."""
+        with self._cond:
+            written, self._written = self._written, []
+        for group, done in written:
+            self._finished(group, dict.fromkeys(done, "done"))
+        return bool(written)
 
     def _write_each(self, batch: list[Outcome]) -> None:
         """Write outcomes one by one; drop (and log) any that cannot be written at all."""
@@ -333,7 +357,10 @@ class Completer(threading.Thread):
             return False
         if not self._riding or self._closing or time.monotonic() - self._pending_since >= RIDE_WAIT:
             return True
-        return any(o.action != COMPLETE for o in self._pending)
+        return any(
+            o.action != COMPLETE or o.job.queue in self._guarded or id(o) in self._alone
+            for o in self._pending
+        )
 
     def _wait(self) -> float:
         """Seconds until something is due: a heartbeat, a deadline, or the end of the wait of

@@ -20,8 +20,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import psycopg
+from django.db import DatabaseError
+
 from django_pgjobs import sql
 from django_pgjobs.context import JobContext
+from django_pgjobs.exceptions import InvalidResult
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import reset_all, tidy, unavailable
@@ -125,10 +129,10 @@ class LeaseMode:
         self, queue_name: str, wanted: int, riding: list[Outcome], tasks: sql.TextArray | None
     ) -> list[ClaimedJob]:
         """The busy claim, with the completer's waiting completions written in its statement
-        (``sql.CLAIM_COMPLETING``). If it fails they go back to the completer, unwritten (the
-        statement is one transaction); a failure that is not an outage may be theirs (a
-        result that cannot be stored), so the claim is made again without them, and the
-        completer writes them one by one if need be."""
+        (``sql.CLAIM_COMPLETING``). If the statement fails they go back to the completer,
+        unwritten (it is one transaction); a failure that is not an outage may be theirs (a
+        result the database refuses), so the claim is made again without them, and the
+        completer writes them, one by one if need be, never with a claim again."""
         try:
             jobs, done = self.store.claim_completing(
                 queue_name,
@@ -139,9 +143,11 @@ class LeaseMode:
                 {o.job.id: o.result for o in riding},
                 tasks=tasks,
             )
-        except Exception as exc:
-            self.completer.give_back(riding)
-            if unavailable(exc):
+        except (DatabaseError, psycopg.Error, InvalidResult) as exc:
+            # The statement failed (or, for a result, was never sent): nothing was written.
+            outage = unavailable(exc)
+            self.completer.give_back(riding, outage=outage)
+            if outage:
                 raise
             logger.warning(
                 "claiming with %s completions failed (%s); claiming without them",

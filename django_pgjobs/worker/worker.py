@@ -538,7 +538,7 @@ class Worker:
             wake_at = min(t for t in (next_tick, next_due, ticks_at) if t is not None)
             # Completions recorded while this waits ride with the claim that their freed slots
             # wake it to make, if it is to make one.
-            completer.ride(self._claims_next(maybe_more))
+            completer.ride(self._claims_next(maybe_more), self._guarded)
             self._wake.wait(max(0.0, wake_at - time.monotonic()))
 
     def _claims_next(self, maybe_more: bool) -> bool:
