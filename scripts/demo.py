@@ -851,9 +851,38 @@ def queues_run(demo_url: str) -> list[str]:
     return problems
 
 
+# Every transaction that updates jobs notes how many it finished and how many it claimed
+# (a statement-level trigger with transition tables), to show completions riding with claims.
+RIDE_AUDIT = [
+    "CREATE TABLE demo_ride_audit (tx bigint, done int, claimed int)",
+    """
+    CREATE FUNCTION demo_ride_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+      INSERT INTO demo_ride_audit
+      SELECT txid_current(),
+             count(*) FILTER (WHERE o.status = 'running' AND n.status = 'done'),
+             count(*) FILTER (WHERE o.status = 'queued' AND n.status = 'running')
+      FROM old_rows o JOIN new_rows n USING (id);
+      RETURN NULL;
+    END $$
+    """,
+    """
+    CREATE TRIGGER demo_ride_audit AFTER UPDATE ON pgjobs_job
+      REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+      FOR EACH STATEMENT EXECUTE FUNCTION demo_ride_audit()
+    """,
+]
+RIDE_UNDO = [
+    "DROP TRIGGER demo_ride_audit ON pgjobs_job",
+    "DROP FUNCTION demo_ride_audit()",
+    "DROP TABLE demo_ride_audit",
+]
+
+
 def spread_run(demo_url: str) -> list[str]:
-    """``runjobs --processes 2`` on CPU-bound jobs, and ``async def`` jobs on the event loop:
-    what ran them, how long they took, and that each ran once."""
+    """``runjobs --processes 2`` on CPU-bound jobs, ``async def`` jobs on the event loop, and
+    completions written with the claims: what ran them, how long they took, and that each ran
+    once."""
     from django_pgjobs.models import Job
     from testproject.asyncjobs import computes, waits
 
@@ -865,10 +894,13 @@ def spread_run(demo_url: str) -> list[str]:
         "PGJOBS_IMPORTS": "testproject.asyncjobs",
     }
 
-    def run_of(label: str, count: int, *args: str) -> tuple[float, int]:
-        """Drain the queue with one ``runjobs --burst``; (span in s, workers that ran jobs)."""
+    def run_of(
+        label: str, count: int, *args: str, settings: dict[str, str] | None = None
+    ) -> tuple[float, int]:
+        """Drain the queue with one ``runjobs --burst`` (``settings``: ``PGJOBS_*`` variables
+        for it); (span in s, workers that ran jobs)."""
         started = time.perf_counter()
-        code = burst(env, *args)
+        code = burst({**env, **(settings or {})}, *args)
         wall = time.perf_counter() - started
         with psycopg.connect(demo_url, autocommit=True) as conn:
             done, once, workers, span = conn.execute(
@@ -913,6 +945,42 @@ def spread_run(demo_url: str) -> list[str]:
         f"Ideal: 2,000 x 0.2 s / 100 = 4.00 s; the loop took {span:.2f} s with one thread for "
         "all of them (8 threads of sync jobs would need 50 s)."
     )
+
+    print()
+    say(
+        "2,000 no-op jobs, two processes, with PGJOBS['COMPLETE_WITH_CLAIM'] on: a busy worker "
+        "writes its completions in the statement of its next claim (one commit where there "
+        "were two)."
+    )
+    with psycopg.connect(demo_url, autocommit=True) as conn:
+        for statement in RIDE_AUDIT:
+            conn.execute(statement)
+        try:
+            Job.objects.enqueue_many("testproject.testjobs.noop", [{"n": n} for n in range(2000)])
+            run_of(
+                "COMPLETE_WITH_CLAIM",
+                2000,
+                "--processes",
+                "2",
+                "--concurrency",
+                "4",
+                settings={"PGJOBS_COMPLETE_WITH_CLAIM": "true"},
+            )
+            both, rode, finished = conn.execute(
+                "SELECT count(*) FILTER (WHERE done > 0 AND claimed > 0), "
+                "coalesce(sum(done) FILTER (WHERE claimed > 0), 0), coalesce(sum(done), 0) "
+                "FROM (SELECT sum(done) AS done, sum(claimed) AS claimed "
+                "      FROM demo_ride_audit GROUP BY tx) per_transaction"
+            ).fetchone() or (0, 0, 0)
+        finally:
+            for statement in RIDE_UNDO:
+                conn.execute(statement)
+    say(
+        f"{rode:,} of the {finished:,} completions were written by {both:,} transactions that "
+        "also claimed the next jobs; each completion still fenced on its claim."
+    )
+    if both == 0 or finished != 2000:
+        problems.append(f"COMPLETE_WITH_CLAIM: {both} transactions rode, {finished} completions")
     return problems
 
 
@@ -1137,7 +1205,7 @@ def main() -> int:
     monitoring_problems = monitoring_run(demo_url)
     problems.extend(monitoring_problems)
 
-    section("7. More cores and more waits: runjobs --processes, async def jobs")
+    section("7. More cores, more waits, fewer commits: --processes, async def, COMPLETE_WITH_CLAIM")
     spread_problems = spread_run(demo_url)
     problems.extend(spread_problems)
 
@@ -1167,7 +1235,10 @@ def main() -> int:
     )
     print(f"  queues and limits: {'all checks held' if not queue_problems else 'see above'}")
     print(f"  monitoring       : {'all checks held' if not monitoring_problems else 'see above'}")
-    print(f"  processes, async : {'all checks held' if not spread_problems else 'see above'}")
+    print(
+        f"  processes, async, completions with claims: "
+        f"{'all checks held' if not spread_problems else 'see above'}"
+    )
     print(f"  demo database    : {masked(demo_url)} (kept, unless on a throwaway server)")
     print(f"  total time       : {total:.1f} s")
     if problems:
