@@ -373,8 +373,8 @@ RETURNING j.id
 )
 
 # A busy worker's completions ride with its next claim (worker/lease.py): COMPLETE as a
-# data-modifying CTE of CLAIM, one statement and one commit where there were two, about a
-# sixth less server CPU per job (benchmarks/combined.py). Both parts see the statement's one
+# data-modifying CTE of CLAIM, one statement and one commit where there were two, a tenth to a
+# fifth less server CPU per job (docs/internals/performance.md). Both parts see the statement's one
 # snapshot, and the rows `done` writes are `running` there, never the claim's `queued`: the two
 # touch no row in common. So only the plain claim takes completions along; a guarded claim
 # counts the running jobs of its queue, and would count the ones finished here. Every claimed

@@ -198,12 +198,23 @@ def test_completions_wait_for_a_claim_only_while_the_producer_will_make_one(
     wait_until(lambda: parts.stats.done == 1, message="the completion written")
     assert row(first)[:2] == ("done", 1)
 
-    # Riding, with no bound on the wait: the completion waits for the claim...
+    # Riding, with no bound on the wait: the completion waits for the claim. The completer
+    # computes its wait only once it found nothing to write: that it did so with the
+    # completion pending shows the completion held.
     monkeypatch.setattr(completer_module, "RIDE_WAIT", 3600.0)
+    holding = threading.Event()
+    wait = Completer._wait
+
+    def noting_wait(completer: Completer) -> float:
+        if completer._pending:
+            holding.set()
+        return wait(completer)
+
+    monkeypatch.setattr(Completer, "_wait", noting_wait)
     parts.completer.ride(True)
     assert parts.mode.dispatch("default", 1) == 1
     parts.run(parts.handed[1])
-    parts.completer.ride(True)  # a wake-up of the completer that writes nothing
+    assert holding.wait(60), "the completer never held the completion"
     assert [o.job.id for o in parts.completer._pending] == [second]
     assert row(second)[:2] == ("running", 1)
     # ...until the producer says it will make none.

@@ -116,10 +116,6 @@ class Completer(threading.Thread):
         # The queues the producer claims through the guarded claim, which takes no completions:
         # theirs never wait for a claim (under a limit, a job counts until it is written).
         self._guarded: frozenset[str] = frozenset()
-        # Completions given back by a claim that failed for another reason than an outage
-        # (id() of each outcome): one of them may be what the database refuses, so they never
-        # ride again and are written here, one by one if need be.
-        self._alone: set[int] = set()
         # Completions the producer wrote, and the ids its fence let through (completed()).
         self._written: list[tuple[list[Outcome], set[int]]] = []
         self._running: dict[int, _Running] = {}
@@ -195,9 +191,8 @@ class Completer(threading.Thread):
         the ``guarded`` queues; once it does not, they are written."""
         riding = riding and self.with_claims
         with self._cond:
-            self._guarded = guarded
-            if riding != self._riding:
-                self._riding = riding
+            if riding != self._riding or guarded != self._guarded:
+                self._riding, self._guarded = riding, guarded
                 self._cond.notify()
 
     def take_completions(self) -> list[Outcome]:
@@ -206,10 +201,9 @@ class Completer(threading.Thread):
         if not self.with_claims:
             return []
         with self._cond:
-            taken = [o for o in self._pending if o.action == COMPLETE and id(o) not in self._alone]
+            taken = [o for o in self._pending if o.action == COMPLETE and o.rides]
             if taken:
-                mine = {id(o) for o in taken}
-                self._pending = [o for o in self._pending if id(o) not in mine]
+                self._pending = [o for o in self._pending if not (o.action == COMPLETE and o.rides)]
             return taken
 
     def completed(self, group: list[Outcome], done: set[int]) -> None:
@@ -220,17 +214,23 @@ class Completer(threading.Thread):
             self._written.append((group, done))
             self._cond.notify()
 
-    def give_back(self, group: list[Outcome], *, outage: bool) -> None:
+    def give_back(self, group: list[Outcome], *, rides: bool) -> None:
         """The producer's statement failed, so nothing of ``group`` was written: it is this
-        thread's again. After an ``outage`` it may ride with a later claim; otherwise it is
-        written here at once, on its own."""
+        thread's again. After an outage it may ride with a later claim (``rides``); after any
+        other failure one of them may be what the database refuses, so they never ride again
+        and are written here at once, one by one if need be."""
+        if not rides:
+            for outcome in group:
+                outcome.rides = False
         with self._cond:
-            if not self._pending:
-                self._pending_since = time.monotonic()
-            self._pending[:0] = group
-            if not outage:
-                self._alone.update(id(o) for o in group)
+            self._put_back(group)
             self._cond.notify()
+
+    def _put_back(self, outcomes: list[Outcome]) -> None:
+        """Put outcomes before the pending ones (called holding the lock)."""
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending[:0] = outcomes
 
     # -- called by the worker ------------------------------------------------------------
 
@@ -268,7 +268,6 @@ class Completer(threading.Thread):
                     batch: list[Outcome] = []
                     if self._writable():
                         batch, self._pending = self._pending, []
-                        self._alone.clear()
                 if self.on_timeout is not None:
                     for running in late:
                         self.on_timeout(running.job)
@@ -308,7 +307,7 @@ class Completer(threading.Thread):
                     # server leaves the old one open but useless).
                     self.store.close()
                     with self._cond:
-                        self._pending[:0] = batch
+                        self._put_back(batch)
                     if self._give_up.is_set():
                         self._abandon()
                         return
@@ -317,10 +316,17 @@ class Completer(threading.Thread):
                 if closing and not self._pending:
                     return
         finally:
-            # What the producer wrote is counted and announced even when this thread stops.
-            self._count_written()
-            self.store.close()
-            connections.close_all()
+            try:
+                # What the producer wrote is counted and announced even when this thread stops.
+                self._count_written()
+            except Exception:
+                logger.exception(
+                    "could not count the completions written with claims",
+                    extra={"action": "complete"},
+                )
+            finally:
+                self.store.close()
+                connections.close_all()
 
     def _count_written(self) -> bool:
         """Count, log and announce what the producer's claims wrote (``completed()``), and
@@ -358,7 +364,7 @@ class Completer(threading.Thread):
         if not self._riding or self._closing or time.monotonic() - self._pending_since >= RIDE_WAIT:
             return True
         return any(
-            o.action != COMPLETE or o.job.queue in self._guarded or id(o) in self._alone
+            o.action != COMPLETE or o.job.queue in self._guarded or not o.rides
             for o in self._pending
         )
 

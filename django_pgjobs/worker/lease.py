@@ -143,11 +143,13 @@ class LeaseMode:
                 {o.job.id: o.result for o in riding},
                 tasks=tasks,
             )
-        except (DatabaseError, psycopg.Error, InvalidResult) as exc:
-            # The statement failed (or, for a result, was never sent): nothing was written.
-            outage = unavailable(exc)
-            self.completer.give_back(riding, outage=outage)
-            if outage:
+        except BaseException as exc:
+            # The statement failed (or was never sent): nothing of it was written. Only a
+            # database's error that is not an outage is ours to get past, with a plain claim.
+            refused = isinstance(exc, (DatabaseError, psycopg.Error, InvalidResult))
+            outage = refused and unavailable(exc)
+            self.completer.give_back(riding, rides=outage)
+            if outage or not refused:
                 raise
             logger.warning(
                 "claiming with %s completions failed (%s); claiming without them",

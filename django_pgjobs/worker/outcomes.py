@@ -36,6 +36,8 @@ class Outcome:
     snooze's, or a failure's from the job's backoff callable (None: the ``backoff`` formula);
     ``jitter`` spreads a failure's delay. ``error`` is what the job raised (or the
     ``JobTimeout`` it ran into): what ``job_finished`` and the error's log line carry.
+    ``rides``: a completion may be written in a claim's statement (``COMPLETE_WITH_CLAIM``);
+    False once a claim failed on it for another reason than an outage.
     """
 
     job: ClaimedJob
@@ -49,6 +51,7 @@ class Outcome:
     delay: float | None = None
     jitter: bool = False
     error: BaseException | None = None
+    rides: bool = True
 
 
 @dataclass
