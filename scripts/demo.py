@@ -851,39 +851,12 @@ def queues_run(demo_url: str) -> list[str]:
     return problems
 
 
-# Every transaction that updates jobs notes how many it finished and how many it claimed
-# (a statement-level trigger with transition tables), to show completions riding with claims.
-RIDE_AUDIT = [
-    "CREATE TABLE demo_ride_audit (tx bigint, done int, claimed int)",
-    """
-    CREATE FUNCTION demo_ride_audit() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-      INSERT INTO demo_ride_audit
-      SELECT txid_current(),
-             count(*) FILTER (WHERE o.status = 'running' AND n.status = 'done'),
-             count(*) FILTER (WHERE o.status = 'queued' AND n.status = 'running')
-      FROM old_rows o JOIN new_rows n USING (id);
-      RETURN NULL;
-    END $$
-    """,
-    """
-    CREATE TRIGGER demo_ride_audit AFTER UPDATE ON pgjobs_job
-      REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
-      FOR EACH STATEMENT EXECUTE FUNCTION demo_ride_audit()
-    """,
-]
-RIDE_UNDO = [
-    "DROP TRIGGER demo_ride_audit ON pgjobs_job",
-    "DROP FUNCTION demo_ride_audit()",
-    "DROP TABLE demo_ride_audit",
-]
-
-
 def spread_run(demo_url: str) -> list[str]:
     """``runjobs --processes 2`` on CPU-bound jobs, ``async def`` jobs on the event loop, and
     completions written with the claims: what ran them, how long they took, and that each ran
     once."""
     from django_pgjobs.models import Job
+    from testproject import ride_audit
     from testproject.asyncjobs import computes, waits
 
     problems: list[str] = []
@@ -952,8 +925,9 @@ def spread_run(demo_url: str) -> list[str]:
         "writes its completions in the statement of its next claim (one commit where there "
         "were two)."
     )
+    # Every transaction that updates jobs notes how many it finished and how many it claimed.
     with psycopg.connect(demo_url, autocommit=True) as conn:
-        for statement in RIDE_AUDIT:
+        for statement in ride_audit.INSTALL:
             conn.execute(statement)
         try:
             Job.objects.enqueue_many("testproject.testjobs.noop", [{"n": n} for n in range(2000)])
@@ -966,14 +940,9 @@ def spread_run(demo_url: str) -> list[str]:
                 "4",
                 settings={"PGJOBS_COMPLETE_WITH_CLAIM": "true"},
             )
-            both, rode, finished = conn.execute(
-                "SELECT count(*) FILTER (WHERE done > 0 AND claimed > 0), "
-                "coalesce(sum(done) FILTER (WHERE claimed > 0), 0), coalesce(sum(done), 0) "
-                "FROM (SELECT sum(done) AS done, sum(claimed) AS claimed "
-                "      FROM demo_ride_audit GROUP BY tx) per_transaction"
-            ).fetchone() or (0, 0, 0)
+            both, rode, finished = conn.execute(ride_audit.COUNTS).fetchone() or (0, 0, 0)
         finally:
-            for statement in RIDE_UNDO:
+            for statement in ride_audit.REMOVE:
                 conn.execute(statement)
     say(
         f"{rode:,} of the {finished:,} completions were written by {both:,} transactions that "

@@ -25,6 +25,7 @@ from django_pgjobs.worker.executor import Shared
 from django_pgjobs.worker.lease import LeaseMode
 from django_pgjobs.worker.outcomes import COMPLETE, WorkerStats
 from django_pgjobs.worker.store import Store
+from testproject import ride_audit
 from testproject.testjobs import noop
 from tests.helpers import wait_until
 from tests.workers import Workers, counts, query, scalar
@@ -282,34 +283,13 @@ def test_completions_a_claim_failed_on_are_written_apart_from_then_on(
             cursor.execute("DROP FUNCTION refuse_done()")
 
 
-AUDIT = [
-    "CREATE TABLE ride_audit (tx bigint, done int, claimed int)",
-    """
-    CREATE FUNCTION ride_audit() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-      INSERT INTO ride_audit
-      SELECT txid_current(),
-             count(*) FILTER (WHERE o.status = 'running' AND n.status = 'done'),
-             count(*) FILTER (WHERE o.status = 'queued' AND n.status = 'running')
-      FROM old_rows o JOIN new_rows n USING (id);
-      RETURN NULL;
-    END $$
-    """,
-    """
-    CREATE TRIGGER ride_audit AFTER UPDATE ON pgjobs_job
-      REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
-      FOR EACH STATEMENT EXECUTE FUNCTION ride_audit()
-    """,
-]
-
-
 @pytest.mark.parametrize("with_claims", [True, False], ids=["with-claims", "apart"])
 def test_a_busy_worker_process_writes_completions_with_its_claims_unless_told_not_to(
     workers: Workers, with_claims: bool
 ) -> None:
     # Every transaction that updates jobs notes how many it finished and how many it claimed.
     with connection.cursor() as cursor:
-        for statement in AUDIT:
+        for statement in ride_audit.INSTALL:
             cursor.execute(statement)
     try:
         Job.objects.enqueue_many(noop, [{"n": n} for n in range(400)])
@@ -326,15 +306,10 @@ def test_a_busy_worker_process_writes_completions_with_its_claims_unless_told_no
         assert "ran 400 jobs: 400 done" in worker.output()
         # Some transactions did both (the completions rode with the claims), or, told not
         # to, none did.
-        ((both, finished),) = query(
-            "SELECT count(*) FILTER (WHERE done > 0 AND claimed > 0), coalesce(sum(done), 0) "
-            "FROM (SELECT tx, sum(done) AS done, sum(claimed) AS claimed "
-            "      FROM ride_audit GROUP BY tx) per_transaction"
-        )
+        ((both, _rode, finished),) = query(ride_audit.COUNTS)
         assert (both > 0) is with_claims
         assert finished == 400
     finally:
         with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER ride_audit ON pgjobs_job")
-            cursor.execute("DROP FUNCTION ride_audit()")
-            cursor.execute("DROP TABLE ride_audit")
+            for statement in ride_audit.REMOVE:
+                cursor.execute(statement)
