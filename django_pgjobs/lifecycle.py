@@ -194,15 +194,7 @@ def claim(
     lock key: in a transaction of its own after ``sql.GUARD`` (a lock every guarded claim of
     the fleet takes), so ``connection`` must be in autocommit (a worker's direct connection).
     """
-    params = {
-        "queue": queue,
-        "limit": limit,
-        "lease": lease,
-        "worker_id": worker_id,
-        "synchronous_commit": synchronous_commit,
-        "suspects": suspects,
-        "tasks": tasks,
-    }
+    params = _claim_params(queue, limit, lease, worker_id, synchronous_commit, suspects, tasks)
     if guarded:
         block = (
             connection.transaction()
@@ -248,20 +240,33 @@ def claim_completing(
     Each completion is fenced as ``complete()``'s, and one the fence refused is logged the
     same way; the statement is one transaction, so a failure writes neither part."""
     claims = fences(jobs)
-    params = {
+    params = _claim_params(queue, limit, lease, worker_id, synchronous_commit, False, tasks)
+    params["claims"] = _completions(claims, results)
+    rows = sql.run(connection, sql.limited(sql.CLAIM_COMPLETING, limit), params)
+    done = set(rows[0][-1] or ()) if rows else set()
+    _refused("complete", claims, done)
+    return _claimed([row[:-1] for row in rows if row[0] is not None]), done
+
+
+def _claim_params(
+    queue: str,
+    limit: int,
+    lease: timedelta,
+    worker_id: str,
+    synchronous_commit: str | None,
+    suspects: bool,
+    tasks: sql.TextArray | None,
+) -> dict[str, Any]:
+    """The parameters every claim statement takes."""
+    return {
         "queue": queue,
         "limit": limit,
         "lease": lease,
         "worker_id": worker_id,
         "synchronous_commit": synchronous_commit,
-        "suspects": False,
+        "suspects": suspects,
         "tasks": tasks,
-        "claims": _completions(claims, results),
     }
-    rows = sql.run(connection, sql.limited(sql.CLAIM_COMPLETING, limit), params)
-    done = set(rows[0][-1] or ()) if rows else set()
-    _refused("complete", claims, done)
-    return _claimed([row[:-1] for row in rows if row[0] is not None]), done
 
 
 def _claimed(rows: list[tuple[Any, ...]]) -> list[ClaimedJob]:

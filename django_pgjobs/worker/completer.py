@@ -189,7 +189,8 @@ class Completer(threading.Thread):
         """Whether the producer makes a plain claim as soon as a slot frees: completions
         recorded while it does wait for that claim (at most ``RIDE_WAIT``), except those of
         the ``guarded`` queues; once it does not, they are written."""
-        riding = riding and self.with_claims
+        if not self.with_claims:
+            return  # completions never wait: nothing to tell
         with self._cond:
             if riding != self._riding or guarded != self._guarded:
                 self._riding, self._guarded = riding, guarded
