@@ -38,11 +38,12 @@ from typing import ClassVar
 import django
 from django.db import models
 from django.db.models import F, Func, Q, TextField, Value
-from django.db.models.lookups import Exact
+from django.db.models.functions import Length
+from django.db.models.lookups import Exact, LessThanOrEqual
 
 from django_pgjobs.fields import PgArray
 from django_pgjobs.managers import JobManager
-from django_pgjobs.validation import QUEUE_NAME
+from django_pgjobs.validation import QUEUE_NAME_CHAR, QUEUE_NAME_MAX
 
 
 class Status(models.TextChoices):
@@ -158,7 +159,11 @@ class Job(models.Model):
                 ),
                 "pgjobs_job_payload_check",
             ),
-            _check(Q(queue__regex=f"^{QUEUE_NAME.pattern}$"), "pgjobs_job_queue_check"),
+            _check(
+                Q(queue__regex=f"^{QUEUE_NAME_CHAR}+$")
+                & Q(LessThanOrEqual(Length("queue"), QUEUE_NAME_MAX)),
+                "pgjobs_job_queue_check",
+            ),
             _check(Q(max_attempts__gte=1), "pgjobs_job_max_attempts_check"),
             _check(
                 Q(attempts__gte=0, attempts__lte=F("max_attempts")), "pgjobs_job_attempts_check"

@@ -434,6 +434,28 @@ def test_the_job_control_migration_changes_the_status_check_online() -> None:
     assert validated is True and "'cancelled'" in definition
 
 
+@pytest.mark.django_db
+def test_the_queue_check_migration_swaps_the_check_online() -> None:
+    """0010 replaces the queue-name CHECK as 0008 replaced the status one: dropped and added
+    NOT VALID in one brief ALTER under lock_timeout, validated by a statement of its own."""
+    name = next(m for m in MIGRATIONS if m.startswith("0010_"))
+    for backwards in (False, True):
+        text = sqlmigrate(name, backwards=backwards)
+        assert not is_atomic(name)
+        found = check_sql(text, atomic=False)
+        assert found.problems == [] and found.unvalidated == set()
+        assert found.validated == {"pgjobs_job_queue_check"}
+        parts = statements(text)
+        (add,) = [s for s in parts if "ADD CONSTRAINT pgjobs_job_queue_check" in s]
+        assert "DROP CONSTRAINT IF EXISTS pgjobs_job_queue_check" in add and "NOT VALID" in add
+        assert ("{1,100}" in add) == backwards
+        validate = parts.index("ALTER TABLE pgjobs_job VALIDATE CONSTRAINT pgjobs_job_queue_check")
+        timeouts = [i for i, s in enumerate(parts) if SET_TIMEOUT.match(s)]
+        assert timeouts and timeouts[0] < parts.index(add) < validate
+        checked_at_once = check_sql(TIMEOUT + add.replace(" NOT VALID", "", 1) + ";", atomic=False)
+        assert any("NOT VALID" in p for p in checked_at_once.problems), checked_at_once.problems
+
+
 # -- the checker fails on bad SQL --------------------------------------------------------------
 
 TIMEOUT = "SET lock_timeout = '5s';\n"
