@@ -48,6 +48,7 @@ MAX_DEPTH = 100
 MAX_INT_DIGITS = 4300
 _INT_LIMIT = 10**MAX_INT_DIGITS
 _NEGATIVE_INT_LIMIT = -_INT_LIMIT
+_WORD = 2**63
 # PostgreSQL truncates identifiers (the NOTIFY channel) to 63 bytes and refuses longer ones.
 MAX_CHANNEL_BYTES = 63
 
@@ -522,7 +523,7 @@ def checked_payload(value: object) -> dict[str, Any]:
             f"The payload must be a dict of keyword arguments, not {type(value).__name__}."
         )
     value = dict(value)
-    _check(value, "payload", InvalidPayload, 1)
+    _check_items(value, "payload", InvalidPayload, 1)
     return value
 
 
@@ -558,13 +559,7 @@ def _check(value: object, where: _Where, error: type[Exception], depth: int) -> 
         )
     # dict, not any Mapping: json.dumps cannot write other mappings.
     if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise error(f"{_path(where)} has a key {show(key)} that is not a string.")
-            problem = _text_problem(key)
-            if problem:
-                raise error(f"{_path(where)} has a key {key!r} that {problem}.")
-            _check(item, (where, key), error, depth + 1)
+        _check_items(value, where, error, depth)
         return
     if isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
@@ -574,6 +569,25 @@ def _check(value: object, where: _Where, error: type[Exception], depth: int) -> 
         f"{_path(where)} is a {type(value).__name__} ({show(value):.60}), which JSON cannot "
         "hold: pass str, int, float, bool, None, list or dict (e.g. an id instead of an object)."
     )
+
+
+def _check_items(value: dict[Any, Any], where: _Where, error: type[Exception], depth: int) -> None:
+    """``_check`` of a dict's keys and items (the dict itself is at ``depth``)."""
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise error(f"{_path(where)} has a key {show(key)} that is not a string.")
+        if "\x00" in key or not key.isascii():
+            problem = _text_problem(key)
+            if problem:
+                raise error(f"{_path(where)} has a key {key!r} that {problem}.")
+        # The common items, ASCII text and integers of a machine word, are passed here
+        # without a call: most payloads are a handful of ids and names.
+        kind = type(item)
+        if kind is str and "\x00" not in item and item.isascii():
+            continue
+        if kind is int and -_WORD < item < _WORD:
+            continue
+        _check(item, (where, key), error, depth + 1)
 
 
 def result(value: object) -> str | None:

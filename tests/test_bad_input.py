@@ -74,6 +74,8 @@ BAD_PAYLOADS = [
         r"payload\['items'\]\[1\] has a key .*surrogate",
         id="surrogate-nested-key",
     ),
+    pytest.param({"note": "a\x00b"}, r"payload\['note'\] contains a NUL", id="nul-value"),
+    pytest.param({"a\x00": 1}, r"payload has a key 'a\\x00' that contains a NUL", id="nul-key"),
     pytest.param({"n": 10**5000}, r"payload\['n'\] is an integer of 5001 digits", id="long-int"),
     pytest.param(
         {"a": {"b": [-(10**4300)]}},
