@@ -37,9 +37,9 @@ from typing import ClassVar
 
 import django
 from django.db import models
-from django.db.models import F, Func, Q, TextField, Value
+from django.db.models import F, Q
 from django.db.models.functions import Length
-from django.db.models.lookups import Exact, LessThanOrEqual
+from django.db.models.lookups import LessThanOrEqual
 
 from django_pgjobs.fields import PgArray
 from django_pgjobs.managers import JobManager
@@ -150,15 +150,9 @@ class Job(models.Model):
         constraints = (
             _check(Q(status__in=Status.values), "pgjobs_job_status_check"),
             _check(Q(priority__gte=-100, priority__lte=100), "pgjobs_job_priority_check"),
-            _check(
-                Q(
-                    Exact(
-                        Func("payload", function="jsonb_typeof", output_field=TextField()),
-                        Value("object"),
-                    )
-                ),
-                "pgjobs_job_payload_check",
-            ),
+            # The payload is a JSON object: not a CHECK, which every claim and completion would
+            # run on the whole payload, but the trigger pgjobs_job_payload_check, which only
+            # statements that write it fire (migration 0011).
             _check(
                 Q(queue__regex=f"^{QUEUE_NAME_CHAR}+$")
                 & Q(LessThanOrEqual(Length("queue"), QUEUE_NAME_MAX)),

@@ -456,6 +456,34 @@ def test_the_queue_check_migration_swaps_the_check_online() -> None:
         assert any("NOT VALID" in p for p in checked_at_once.problems), checked_at_once.problems
 
 
+@pytest.mark.django_db
+def test_the_payload_trigger_migration_never_leaves_a_write_unchecked() -> None:
+    """0011: the trigger comes before the CHECK goes, both under lock_timeout; going back,
+    the CHECK comes NOT VALID and is validated before the trigger goes."""
+    name = next(m for m in MIGRATIONS if m.startswith("0011_"))
+    assert not is_atomic(name)
+    forward = sqlmigrate(name)
+    found = check_sql(forward, atomic=False)
+    assert found.problems == [] and found.unvalidated == set()
+    parts = statements(forward)
+    (create,) = [p for p in parts if p.startswith("CREATE TRIGGER pgjobs_job_payload_check")]
+    assert "BEFORE INSERT OR UPDATE OF payload ON pgjobs_job" in create
+    drop_check = parts.index(
+        "ALTER TABLE pgjobs_job DROP CONSTRAINT IF EXISTS pgjobs_job_payload_check"
+    )
+    timeouts = [i for i, p in enumerate(parts) if SET_TIMEOUT.match(p)]
+    assert timeouts and timeouts[0] < parts.index(create) < drop_check
+    unguarded = check_sql(forward.replace("SET lock_timeout = '5s';", ""), atomic=False)
+    assert any(p.startswith("'CREATE TRIGGER") for p in unguarded.problems), unguarded.problems
+
+    backward = sqlmigrate(name, backwards=True)
+    found = check_sql(backward, atomic=False)
+    assert found.problems == [] and found.validated == {"pgjobs_job_payload_check"}
+    parts = statements(backward)
+    validate = parts.index("ALTER TABLE pgjobs_job VALIDATE CONSTRAINT pgjobs_job_payload_check")
+    assert validate < parts.index("DROP TRIGGER IF EXISTS pgjobs_job_payload_check ON pgjobs_job")
+
+
 # -- the checker fails on bad SQL --------------------------------------------------------------
 
 TIMEOUT = "SET lock_timeout = '5s';\n"

@@ -354,6 +354,8 @@ class DriftTests(TestCase):
 
 
 BEFORE_CONSTRAINTS = "0005_admin_proxies"
+# 0006 itself: a later migration (0011) turns its payload CHECK into a trigger.
+CONSTRAINTS = "0006_job_constraints_outage_releases"
 NEW_CONSTRAINTS = {
     "pgjobs_job_payload_check",
     "pgjobs_job_queue_check",
@@ -471,7 +473,7 @@ class ConstraintMigrationTests(TransactionTestCase):
         }
         before = {name: columns_of(job_id) for name, job_id in ids.items()}
 
-        migrate()
+        migrate(CONSTRAINTS)
 
         self.assert_migrated()
         after = {name: columns_of(job_id) for name, job_id in ids.items()}
@@ -526,7 +528,9 @@ class ConstraintMigrationTests(TransactionTestCase):
         # Only bad rows are written: the good one is the very same row version.
         assert after["good"] == before["good"]
 
-        # The queued job that had no attempt left runs once more, as it would have before.
+        # The queued job that had no attempt left runs once more, as it would have before
+        # (claimed with the schema of the latest migration).
+        migrate()
         claimed = Job.objects.claim(queue="used-up")
         assert [(job.id, job.attempts) for job in claimed] == [(ids["used_up"], 4)]
 
@@ -539,7 +543,7 @@ class ConstraintMigrationTests(TransactionTestCase):
         before = columns_of(bad_payload)
 
         with pytest.raises(IntegrityError) as stopped:
-            migrate()
+            migrate(CONSTRAINTS)
 
         message = str(stopped.value)
         assert "0006 stopped before changing anything" in message, message
@@ -564,7 +568,7 @@ class ConstraintMigrationTests(TransactionTestCase):
             "UPDATE pgjobs_job SET queue = 'default' "
             "WHERE queue !~ '^[A-Za-z0-9_.:-]{1,100}$' RETURNING id"
         )
-        migrate()
+        migrate(CONSTRAINTS)
 
         self.assert_migrated()
         assert columns_of(bad_payload)["payload"] == {"invalid_payload": "x"}
@@ -584,7 +588,7 @@ class ConstraintMigrationTests(TransactionTestCase):
                 "ADD COLUMN outage_releases int NOT NULL DEFAULT 0"
             )
 
-        migrate()
+        migrate(CONSTRAINTS)
 
         self.assert_migrated()
         assert columns_of(bad)["max_attempts"] == 9
@@ -626,3 +630,72 @@ class QueueCheckMigrationTests(TransactionTestCase):
             with pytest.raises(IntegrityError, match="pgjobs_job_queue_check"):
                 with transaction.atomic():
                     old_job(queue=name)
+
+
+PAYLOAD_TRIGGER = (
+    "SELECT tgenabled, pg_get_triggerdef(oid) FROM pg_trigger "
+    "WHERE tgrelid = 'pgjobs_job'::regclass AND tgname = 'pgjobs_job_payload_check'"
+)
+PAYLOAD_CHECK = (
+    "SELECT convalidated FROM pg_constraint "
+    "WHERE conrelid = 'pgjobs_job'::regclass AND conname = 'pgjobs_job_payload_check'"
+)
+
+
+def refused_payload() -> object:
+    return pytest.raises(IntegrityError, match="pgjobs_job_payload_check")
+
+
+class PayloadTriggerTests(TransactionTestCase):
+    """Migration 0011: the payload must be an object where it is written, and only there."""
+
+    def setUp(self) -> None:
+        self.addCleanup(migrate)
+
+    def test_a_write_of_another_column_does_not_check_the_payload(self) -> None:
+        # A row from before any check (the trigger off while it is written): updates that
+        # leave its payload alone go through, as claims and completions do; the CHECK before
+        # 0011 refused them, because it read every payload at every update.
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE pgjobs_job DISABLE TRIGGER pgjobs_job_payload_check")
+            try:
+                bad = old_job(payload='"not an object"')
+            finally:
+                cursor.execute(
+                    "ALTER TABLE pgjobs_job ENABLE ALWAYS TRIGGER pgjobs_job_payload_check"
+                )
+        query("UPDATE pgjobs_job SET priority = 5 WHERE id = %s RETURNING id", [bad])
+        assert columns_of(bad)["payload"] == "not an object"
+        with refused_payload(), transaction.atomic():
+            query("UPDATE pgjobs_job SET payload = payload WHERE id = %s RETURNING id", [bad])
+        query("DELETE FROM pgjobs_job WHERE id = %s RETURNING id", [bad])
+
+    def test_the_trigger_holds_for_a_replica_session_too(self) -> None:
+        ((enabled, definition),) = query(PAYLOAD_TRIGGER)
+        assert enabled == "A", "ENABLE ALWAYS: a CHECK is never skipped either"
+        assert "BEFORE INSERT OR UPDATE OF payload" in definition
+        with refused_payload(), transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL session_replication_role = replica")
+            old_job(payload="[1, 2]")
+        with pytest.raises(IntegrityError) as refused, transaction.atomic():
+            old_job(payload="3")
+        assert "The payload is a JSON number, not an object" in str(refused.value)
+
+    def test_going_back_restores_the_validated_check_and_forward_the_trigger(self) -> None:
+        good = old_job(payload='{"a": 1}')
+        assert query(PAYLOAD_CHECK) == [] and len(query(PAYLOAD_TRIGGER)) == 1
+
+        migrate("0010_cheaper_queue_check")
+        assert query(PAYLOAD_CHECK) == [(True,)] and query(PAYLOAD_TRIGGER) == []
+        assert (
+            scalar("SELECT count(*) FROM pg_proc WHERE proname = 'pgjobs_job_refuse_payload'") == 0
+        )
+        with refused_payload(), transaction.atomic():
+            old_job(payload='"text"')
+
+        migrate()
+        assert query(PAYLOAD_CHECK) == [] and len(query(PAYLOAD_TRIGGER)) == 1
+        assert columns_of(good)["payload"] == {"a": 1}
+        with refused_payload(), transaction.atomic():
+            old_job(payload="null")
