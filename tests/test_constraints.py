@@ -35,6 +35,11 @@ QUEUE_NAMES = [
     "quote'name",
     "semi;colon",
     "*",
+    "x" * 100 + "\n",
+    "x" * 99 + "é",
+    "é" * 50,
+    "\nx",
+    "x\r",
 ]
 
 
@@ -99,6 +104,19 @@ class QueueConstraintTests(TestCase):
         # Both kinds are in the list: the loop above tried both branches.
         python_refuses = [n for n in QUEUE_NAMES if not validation.QUEUE_NAME.fullmatch(n)]
         assert 0 < len(python_refuses) < len(QUEUE_NAMES)
+
+
+class QueueConditionTests(TestCase):
+    def test_the_check_since_0010_refuses_exactly_what_0006_refused(self) -> None:
+        # Both conditions as the migrations wrote them, side by side over the same names: the
+        # cheaper one (no bounded repeat) must not let in or keep out a single other name.
+        old = "queue ~ '^[A-Za-z0-9_.:-]{1,100}$'"
+        new = "queue ~ '^[A-Za-z0-9_.:-]+$' AND length(queue) <= 100"
+        names = [*QUEUE_NAMES, *(chr(c) for c in range(1, 0x3000)), "x" * 99 + "\n", None]
+        rows = query(f"SELECT queue, {old}, {new} FROM unnest(%s::text[]) AS q(queue)", [names])
+        differ = [name for name, before, after in rows if before is not after]
+        assert differ == [] and len(rows) == len(names)
+        assert {before for _, before, _ in rows} == {True, False, None}
 
 
 class AttemptsConstraintTests(TestCase):

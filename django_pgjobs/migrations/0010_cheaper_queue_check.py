@@ -1,10 +1,10 @@
-"""The queue-name CHECK, the same names refused, at a tenth of the cost.
+"""The queue-name CHECK, the same names refused, at about a ninth of the cost.
 
 ``queue ~ '^[A-Za-z0-9_.:-]{1,100}$'`` (0006) made PostgreSQL's regex engine expand the
-bounded repeat: about 3.9 us per row on the AMD EPYC machine, paid on every INSERT and on every
-UPDATE of a job (the claim and the completion re-check each CHECK of the row they change).
-``queue ~ '^[A-Za-z0-9_.:-]+$' AND length(queue) <= 100`` accepts exactly the same names in
-about 0.3 us.
+bounded repeat: about 4.7 us per row for an 8-character name on the AMD EPYC machine, more for
+longer ones, paid on every INSERT and on every UPDATE of a job (the claim and the completion
+re-check each CHECK of the row they change). ``queue ~ '^[A-Za-z0-9_.:-]+$' AND length(queue)
+<= 100`` accepts exactly the same names in about 0.5 us (``python -m benchmarks.checks``).
 
 Online, as 0008 changed the status CHECK: the old constraint is dropped and the new one added
 ``NOT VALID`` in one ALTER TABLE (a catalog change under a brief ACCESS EXCLUSIVE lock,
