@@ -44,7 +44,7 @@ NAMES = ["default", "a", "x" * 100, "x" * 101, "", "two words", "line\n", "café
 PAYLOAD_FORMS = {
     "0006 (CHECK)": "ALTER TABLE {table} ADD CONSTRAINT {table}_p "
     "CHECK (jsonb_typeof(payload) = 'object')",
-    "0011 (trigger)": "CREATE TRIGGER {table}_p BEFORE INSERT OR UPDATE OF payload ON {table} "
+    "0011 (trigger)": "CREATE TRIGGER {table}_p AFTER INSERT OR UPDATE OF payload ON {table} "
     "FOR EACH ROW WHEN (jsonb_typeof(NEW.payload) <> 'object') "
     "EXECUTE FUNCTION pgjobs_job_refuse_payload()",
 }
@@ -124,6 +124,7 @@ def main() -> None:
             refusals.append(refused)
         if refusals[0] != refusals[1]:
             raise SystemExit("the two forms of the queue-name check refuse different names")
+        for form, condition in FORMS.items():
             _scratch(
                 cursor,
                 tables[form],

@@ -246,6 +246,8 @@ class Report:
     horizon: list[Holder]
     vacuum_locks: list[dict[str, Any]]
     invalid_indexes: list[str]
+    # The payload check's trigger: how it is enabled (pg_trigger.tgenabled), None if missing.
+    payload_trigger: str | None
     # Each declared periodic schedule: its last and next tick, its last job, its errors.
     schedules: list[dict[str, Any]] = field(default_factory=list)
     # Jobs failed in the last hour because their workers kept dying (WorkerCrashed), and the
@@ -336,6 +338,7 @@ def diagnose(
         horizon=horizon,
         vacuum_locks=vacuum_locks,
         invalid_indexes=[row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})],
+        payload_trigger=next(iter(sql.run(connection, sql.PAYLOAD_TRIGGER, {})), (None,))[0],
         schedules=schedule_health(alias),
         quarantined=[{k: v for k, v in row.items() if k != "total"} for row in quarantined],
         quarantined_count=int(quarantined[0]["total"]) if quarantined else 0,
@@ -588,6 +591,28 @@ def check_invalid_indexes(report: Report, limits: Thresholds) -> list[str]:
     ]
 
 
+def check_payload_trigger(report: Report, limits: Thresholds) -> list[str]:
+    enable = "ALTER TABLE pgjobs_job ENABLE ALWAYS TRIGGER pgjobs_job_payload_check;"
+    if report.payload_trigger is None:
+        return [
+            "the trigger pgjobs_job_payload_check is missing: a row whose payload is not a "
+            "JSON object can be written, and its job can never run; run manage.py migrate "
+            "django_pgjobs, or, if migration 0011 is applied already, migrate back to 0010 "
+            "and forward again to create it."
+        ]
+    if report.payload_trigger == "D":
+        return [
+            "the trigger pgjobs_job_payload_check is disabled: a row whose payload is not a "
+            f"JSON object can be written, and its job can never run; {enable}"
+        ]
+    if report.payload_trigger != "A":
+        return [
+            "the trigger pgjobs_job_payload_check is not enabled ALWAYS: sessions in "
+            f"session_replication_role = replica skip it (or only they run it); {enable}"
+        ]
+    return []
+
+
 def check_autovacuum_settings(report: Report, limits: Thresholds) -> list[str]:
     problems = []
     if not report.settings["autovacuum"]:
@@ -686,6 +711,7 @@ CHECKS: list[Check] = [
     check_idle_in_transaction,
     check_horizon,
     check_invalid_indexes,
+    check_payload_trigger,
     check_autovacuum_settings,
     check_autovacuum_behind,
     check_schedules,

@@ -45,8 +45,9 @@ class ClaimedJob:
     """A job this worker now owns: pass it back to ``complete``/``fail``/``release``.
 
     ``payload`` holds the keyword arguments; a row whose payload is not a JSON object (only
-    possible in a table older than its CHECK constraint) keeps ``payload`` empty and says what
-    it found in ``invalid_payload``: the worker fails that job, and only that one.
+    possible in a table older than its payload check, or written while its trigger was off)
+    keeps ``payload`` empty and says what it found in ``invalid_payload``: the worker fails
+    that job, and only that one.
     """
 
     id: int

@@ -1298,6 +1298,13 @@ WHERE l.locktype = 'relation' AND l.relation = 'pgjobs_job'::regclass AND l.gran
 ORDER BY a.xact_start NULLS LAST, a.pid
 """
 
+# The payload check's trigger (migration 0011): its pg_trigger.tgenabled ('A' always, 'O' origin
+# and local sessions, 'R' replica sessions only, 'D' disabled); no row when it is missing.
+PAYLOAD_TRIGGER: LiteralString = """
+SELECT tgenabled::text FROM pg_trigger
+WHERE tgrelid = 'pgjobs_job'::regclass AND tgname = 'pgjobs_job_payload_check'
+"""
+
 INVALID_INDEXES: LiteralString = """
 SELECT i.indexrelid::regclass::text
 FROM pg_index i

@@ -82,6 +82,15 @@ class PayloadConstraintTests(TestCase):
                 with refused("pgjobs_job_payload_check"):
                     update(good, payload=payload)
         assert insert(payload="{}") > good
+        # The trigger's error carries the name where the CHECK's did, for code that reads it.
+        with refused("pgjobs_job_payload_check") as refusal:
+            insert(payload="[]")
+        diag = refusal.value.__cause__.diag
+        assert (diag.constraint_name, diag.table_name, diag.sqlstate) == (
+            "pgjobs_job_payload_check",
+            "pgjobs_job",
+            "23514",
+        )
 
 
 class QueueConstraintTests(TestCase):

@@ -411,6 +411,38 @@ def test_an_invalid_index_from_a_failed_create_index_concurrently_is_named(
     doctor.healthy()
 
 
+def test_a_payload_trigger_switched_off_or_not_always_or_missing_is_named(
+    server: Server, doctor: Doctor
+) -> None:
+    """The payload check is a trigger (migration 0011), which a restore with
+    --disable-triggers, DISABLE TRIGGER or a table built without migrations leaves off."""
+    enable = "ALTER TABLE pgjobs_job ENABLE ALWAYS TRIGGER pgjobs_job_payload_check"
+    trigger = server.query(
+        "SELECT pg_get_triggerdef(oid) FROM pg_trigger WHERE tgname = 'pgjobs_job_payload_check'"
+    )[0][0]
+    try:
+        server.query("ALTER TABLE pgjobs_job DISABLE TRIGGER pgjobs_job_payload_check")
+        report = doctor()
+        assert report.status == 1, report
+        assert report.problems == [
+            "the trigger pgjobs_job_payload_check is disabled: a row whose payload is not a "
+            f"JSON object can be written, and its job can never run; {enable};"
+        ], report
+
+        server.query("ALTER TABLE pgjobs_job ENABLE TRIGGER pgjobs_job_payload_check")
+        (problem,) = doctor("--json").json()["problems"]
+        assert "is not enabled ALWAYS: sessions in session_replication_role = replica" in problem
+
+        server.query("DROP TRIGGER pgjobs_job_payload_check ON pgjobs_job")
+        (problem,) = doctor().problems
+        assert problem.startswith("the trigger pgjobs_job_payload_check is missing"), problem
+    finally:
+        server.query("DROP TRIGGER IF EXISTS pgjobs_job_payload_check ON pgjobs_job")
+        server.query(trigger)
+        server.query(enable)
+    doctor.healthy()
+
+
 def test_expired_leases_lag_and_a_reset_autovacuum_setting_in_text_and_json(
     server: Server, doctor: Doctor
 ) -> None:

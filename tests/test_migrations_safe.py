@@ -90,7 +90,8 @@ CREATE_INDEX = re.compile(
 DROP_INDEX = re.compile(r"DROP INDEX (CONCURRENTLY )?", re.I)
 REINDEX = re.compile(r"REINDEX (?:\(.*?\) )?(?:TABLE|INDEX) (CONCURRENTLY )?", re.I)
 OTHER_LOCKS = re.compile(
-    rf"(?:CREATE (?:OR REPLACE )?(?:CONSTRAINT )?TRIGGER .*? ON|LOCK (?:TABLE )?|CLUSTER|"
+    rf"(?:CREATE (?:OR REPLACE )?(?:CONSTRAINT )?TRIGGER .*? ON|DROP TRIGGER (?:IF EXISTS )?\w+ ON|"
+    rf"LOCK (?:TABLE )?|CLUSTER|"
     rf"VACUUM (?:\(.*?FULL.*?\)|FULL)|TRUNCATE (?:TABLE )?|DROP TABLE (?:IF EXISTS )?) *{NAME}",
     re.I,
 )
@@ -467,14 +468,21 @@ def test_the_payload_trigger_migration_never_leaves_a_write_unchecked() -> None:
     assert found.problems == [] and found.unvalidated == set()
     parts = statements(forward)
     (create,) = [p for p in parts if p.startswith("CREATE TRIGGER pgjobs_job_payload_check")]
-    assert "BEFORE INSERT OR UPDATE OF payload ON pgjobs_job" in create
+    assert "AFTER INSERT OR UPDATE OF payload ON pgjobs_job" in create
     drop_check = parts.index(
         "ALTER TABLE pgjobs_job DROP CONSTRAINT IF EXISTS pgjobs_job_payload_check"
     )
+    drop_trigger = parts.index("DROP TRIGGER IF EXISTS pgjobs_job_payload_check ON pgjobs_job")
+    enable = parts.index("ALTER TABLE pgjobs_job ENABLE ALWAYS TRIGGER pgjobs_job_payload_check")
     timeouts = [i for i, p in enumerate(parts) if SET_TIMEOUT.match(p)]
-    assert timeouts and timeouts[0] < parts.index(create) < drop_check
+    # One transaction from the old trigger's drop to the CHECK's: stopped anywhere, the CHECK
+    # stays, and no write finds the table without the rule or with the trigger not ALWAYS.
+    begin, commit = parts.index("BEGIN"), parts.index("COMMIT")
+    assert timeouts and timeouts[0] < begin < drop_trigger < parts.index(create) < enable
+    assert enable < drop_check < commit
     unguarded = check_sql(forward.replace("SET lock_timeout = '5s';", ""), atomic=False)
-    assert any(p.startswith("'CREATE TRIGGER") for p in unguarded.problems), unguarded.problems
+    flagged = [p[1:13] for p in unguarded.problems]
+    assert flagged == ["DROP TRIGGER", "CREATE TRIGG", "ALTER TABLE ", "ALTER TABLE "], flagged
 
     backward = sqlmigrate(name, backwards=True)
     found = check_sql(backward, atomic=False)

@@ -653,17 +653,19 @@ class PayloadTriggerTests(TransactionTestCase):
         self.addCleanup(migrate)
 
     def test_a_write_of_another_column_does_not_check_the_payload(self) -> None:
-        # A row from before any check (the trigger off while it is written): updates that
-        # leave its payload alone go through, as claims and completions do; the CHECK before
+        # A row from before any check (the trigger off while it is written): the claim's
+        # UPDATE and other writes that leave its payload alone go through; the CHECK before
         # 0011 refused them, because it read every payload at every update.
         with connection.cursor() as cursor:
             cursor.execute("ALTER TABLE pgjobs_job DISABLE TRIGGER pgjobs_job_payload_check")
             try:
-                bad = old_job(payload='"not an object"')
+                bad = old_job(payload='"not an object"', queue="payload-trigger")
             finally:
                 cursor.execute(
                     "ALTER TABLE pgjobs_job ENABLE ALWAYS TRIGGER pgjobs_job_payload_check"
                 )
+        (claimed,) = Job.objects.claim(queue="payload-trigger")
+        assert (claimed.id, claimed.attempts) == (bad, 1)
         query("UPDATE pgjobs_job SET priority = 5 WHERE id = %s RETURNING id", [bad])
         assert columns_of(bad)["payload"] == "not an object"
         with refused_payload(), transaction.atomic():
@@ -673,7 +675,7 @@ class PayloadTriggerTests(TransactionTestCase):
     def test_the_trigger_holds_for_a_replica_session_too(self) -> None:
         ((enabled, definition),) = query(PAYLOAD_TRIGGER)
         assert enabled == "A", "ENABLE ALWAYS: a CHECK is never skipped either"
-        assert "BEFORE INSERT OR UPDATE OF payload" in definition
+        assert "AFTER INSERT OR UPDATE OF payload" in definition
         with refused_payload(), transaction.atomic():
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL session_replication_role = replica")
