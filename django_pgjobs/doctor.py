@@ -246,8 +246,9 @@ class Report:
     horizon: list[Holder]
     vacuum_locks: list[dict[str, Any]]
     invalid_indexes: list[str]
-    # The payload check's trigger: how it is enabled (pg_trigger.tgenabled), None if missing.
-    payload_trigger: str | None
+    # What holds payloads to JSON objects: "CHECK" (before migration 0011), else how the
+    # trigger is enabled (pg_trigger.tgenabled: "A" always), None when neither is there.
+    payload_rule: str | None
     # Each declared periodic schedule: its last and next tick, its last job, its errors.
     schedules: list[dict[str, Any]] = field(default_factory=list)
     # Jobs failed in the last hour because their workers kept dying (WorkerCrashed), and the
@@ -338,7 +339,7 @@ def diagnose(
         horizon=horizon,
         vacuum_locks=vacuum_locks,
         invalid_indexes=[row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})],
-        payload_trigger=next(iter(sql.run(connection, sql.PAYLOAD_TRIGGER, {})), (None,))[0],
+        payload_rule=sql.run(connection, sql.PAYLOAD_RULE, {})[0][0],
         schedules=schedule_health(alias),
         quarantined=[{k: v for k, v in row.items() if k != "total"} for row in quarantined],
         quarantined_count=int(quarantined[0]["total"]) if quarantined else 0,
@@ -593,24 +594,24 @@ def check_invalid_indexes(report: Report, limits: Thresholds) -> list[str]:
 
 def check_payload_trigger(report: Report, limits: Thresholds) -> list[str]:
     enable = "ALTER TABLE pgjobs_job ENABLE ALWAYS TRIGGER pgjobs_job_payload_check;"
-    if report.payload_trigger is None:
+    if report.payload_rule in ("A", "CHECK"):
+        return []
+    if report.payload_rule is None:
         return [
             "the trigger pgjobs_job_payload_check is missing: a row whose payload is not a "
             "JSON object can be written, and its job can never run; run manage.py migrate "
             "django_pgjobs, or, if migration 0011 is applied already, migrate back to 0010 "
             "and forward again to create it."
         ]
-    if report.payload_trigger == "D":
+    if report.payload_rule == "D":
         return [
             "the trigger pgjobs_job_payload_check is disabled: a row whose payload is not a "
             f"JSON object can be written, and its job can never run; {enable}"
         ]
-    if report.payload_trigger != "A":
-        return [
-            "the trigger pgjobs_job_payload_check is not enabled ALWAYS: sessions in "
-            f"session_replication_role = replica skip it (or only they run it); {enable}"
-        ]
-    return []
+    return [
+        "the trigger pgjobs_job_payload_check is not enabled ALWAYS: sessions in "
+        f"session_replication_role = replica skip it (or only they run it); {enable}"
+    ]
 
 
 def check_autovacuum_settings(report: Report, limits: Thresholds) -> list[str]:

@@ -1298,11 +1298,15 @@ WHERE l.locktype = 'relation' AND l.relation = 'pgjobs_job'::regclass AND l.gran
 ORDER BY a.xact_start NULLS LAST, a.pid
 """
 
-# The payload check's trigger (migration 0011): its pg_trigger.tgenabled ('A' always, 'O' origin
-# and local sessions, 'R' replica sessions only, 'D' disabled); no row when it is missing.
-PAYLOAD_TRIGGER: LiteralString = """
-SELECT tgenabled::text FROM pg_trigger
-WHERE tgrelid = 'pgjobs_job'::regclass AND tgname = 'pgjobs_job_payload_check'
+# What holds payloads to JSON objects: 'CHECK' while the table has 0006's constraint (before
+# migration 0011), else the trigger's pg_trigger.tgenabled ('A' always, 'O' origin and local
+# sessions, 'R' replica sessions only, 'D' disabled), NULL when neither is there.
+PAYLOAD_RULE: LiteralString = """
+SELECT coalesce(
+  (SELECT 'CHECK' FROM pg_constraint
+   WHERE conrelid = 'pgjobs_job'::regclass AND conname = 'pgjobs_job_payload_check'),
+  (SELECT tgenabled::text FROM pg_trigger
+   WHERE tgrelid = 'pgjobs_job'::regclass AND tgname = 'pgjobs_job_payload_check'))
 """
 
 INVALID_INDEXES: LiteralString = """
