@@ -600,8 +600,9 @@ def check_payload_trigger(report: Report, limits: Thresholds) -> list[str]:
         return [
             "the trigger pgjobs_job_payload_check is missing: a row whose payload is not a "
             "JSON object can be written, and its job can never run; run manage.py migrate "
-            "django_pgjobs, or, if migration 0011 is applied already, migrate back to 0010 "
-            "and forward again to create it."
+            "django_pgjobs, or, if migration 0011 is applied already, run the SQL that "
+            "python manage.py sqlmigrate django_pgjobs 0011 prints (it creates the function "
+            "and the trigger and reads no row)."
         ]
     if report.payload_rule == "D":
         return [

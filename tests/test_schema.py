@@ -701,3 +701,52 @@ class PayloadTriggerTests(TransactionTestCase):
         assert columns_of(good)["payload"] == {"a": 1}
         with refused_payload(), transaction.atomic():
             old_job(payload="null")
+
+
+class StoppedSwapTests(TransactionTestCase):
+    """0011's swap stopped by its lock_timeout: all of it or none, and the connection fine."""
+
+    def setUp(self) -> None:
+        self.addCleanup(migrate)
+        migrate("0010_cheaper_queue_check")
+
+    def test_a_swap_stopped_by_a_lock_leaves_the_check_and_a_rerun_finishes_it(self) -> None:
+        holder = raw_connect()
+        try:
+            holder.execute("BEGIN")
+            holder.execute("LOCK TABLE pgjobs_job IN ACCESS SHARE MODE")
+            with pytest.raises(DatabaseError, match="lock timeout"):
+                migrate()
+        finally:
+            holder.close()
+        assert query(PAYLOAD_CHECK) == [(True,)] and query(PAYLOAD_TRIGGER) == []
+        recorded = scalar(
+            "SELECT count(*) FROM django_migrations "
+            "WHERE app = 'django_pgjobs' AND name = '0011_payload_check_on_write'"
+        )
+        assert recorded == 0
+        # The same connection goes on (no transaction left aborted), and a rerun finishes.
+        assert scalar("SELECT 1") == 1
+        migrate()
+        assert query(PAYLOAD_CHECK) == [] and query(PAYLOAD_TRIGGER)[0][0] == "A"
+
+
+class AfterTriggersTests(TransactionTestCase):
+    def test_the_payload_is_checked_as_other_before_triggers_left_it(self) -> None:
+        # A CHECK sees the row after every BEFORE trigger; the AFTER trigger does too.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "CREATE FUNCTION pgjobs_test_listify() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN NEW.payload := '[]'::jsonb; RETURN NEW; END $$"
+            )
+            cursor.execute(
+                "CREATE TRIGGER zz_listify BEFORE INSERT ON pgjobs_job "
+                "FOR EACH ROW EXECUTE FUNCTION pgjobs_test_listify()"
+            )
+            try:
+                with refused_payload(), transaction.atomic():
+                    old_job(payload='{"a": 1}')
+            finally:
+                cursor.execute("DROP TRIGGER zz_listify ON pgjobs_job")
+                cursor.execute("DROP FUNCTION pgjobs_test_listify()")
+        assert scalar("SELECT count(*) FROM pgjobs_job") == 0

@@ -15,7 +15,7 @@ CHECK did. ``ENABLE ALWAYS`` keeps it on for sessions in ``session_replication_r
 replica`` (a CHECK is never skipped).
 
 Online: the swap (drop any trigger an earlier run left, create it, enable it always, drop the
-CHECK) is one transaction, under lock_timeout: it takes ACCESS EXCLUSIVE on the table for a
+CHECK) is one query string, so one transaction, under lock_timeout: it takes ACCESS EXCLUSIVE on the table for a
 catalog change and reads no row (every row passed the validated CHECK). Stopped anywhere, it
 leaves the CHECK in place. Going back adds the CHECK NOT VALID, then validates it in a
 statement of its own (SHARE UPDATE EXCLUSIVE, which blocks no writes; it reads every payload),
@@ -41,22 +41,20 @@ END
 $refuse$
 """
 
-FORWARD = [
-    FUNCTION,
-    "SET lock_timeout = '5s'",
-    "BEGIN",
-    "DROP TRIGGER IF EXISTS pgjobs_job_payload_check ON pgjobs_job",
-    """
+# The swap, as one query string: PostgreSQL runs its statements as one implicit transaction,
+# all or none (an explicit BEGIN would leave Django's connection in an aborted transaction
+# when a statement fails).
+SWAP = """
+DROP TRIGGER IF EXISTS pgjobs_job_payload_check ON pgjobs_job;
 CREATE TRIGGER pgjobs_job_payload_check
 AFTER INSERT OR UPDATE OF payload ON pgjobs_job
 FOR EACH ROW WHEN (jsonb_typeof(NEW.payload) <> 'object')
-EXECUTE FUNCTION pgjobs_job_refuse_payload()
-""",
-    "ALTER TABLE pgjobs_job ENABLE ALWAYS TRIGGER pgjobs_job_payload_check",
-    "ALTER TABLE pgjobs_job DROP CONSTRAINT IF EXISTS pgjobs_job_payload_check",
-    "COMMIT",
-    "RESET lock_timeout",
-]
+EXECUTE FUNCTION pgjobs_job_refuse_payload();
+ALTER TABLE pgjobs_job ENABLE ALWAYS TRIGGER pgjobs_job_payload_check;
+ALTER TABLE pgjobs_job DROP CONSTRAINT IF EXISTS pgjobs_job_payload_check
+"""
+
+FORWARD = [FUNCTION, "SET lock_timeout = '5s'", SWAP, "RESET lock_timeout"]
 
 BACKWARD = [
     "SET lock_timeout = '5s'",
