@@ -151,7 +151,10 @@ def test_a_cancelled_job_that_hangs_past_its_timeout_still_frees_its_slot(
 def test_a_shutdown_does_not_wait_for_a_job_that_times_out_during_it(workers: Workers) -> None:
     job_id = Job.objects.enqueue(stuck_until_order, {"email": "late"}, timeout=3).id
     worker = workers.start("--lease", "5", "--shutdown-timeout", "600", test_jobs=True)
-    wait_until(lambda: job_row(job_id)["status"] == "running", message="the job to start")
+    # The function itself runs, not only its claim: a stop while the claim is on its way
+    # back gives the job back unstarted, with no timeout to fail it.
+    wait_until(lambda: ordered("started:late"), message="the job to start")
+    assert job_row(job_id)["status"] == "running"
     worker.send(signal.SIGTERM)
     worker.wait_for_log("SIGTERM: stopping")
     # Its timeout ends the wait, not the 600 s shutdown timeout; nothing is left running.

@@ -553,12 +553,13 @@ def until_cancelled(email: str) -> None:
 @job(max_attempts=1)
 def stuck_until_order(email: str) -> None:
     """Block until the test creates an Order for ``email``, whatever the timeout says (a
-    thread cannot be killed); on seeing ``current_job().timed_out``, say so with an Order
-    for ``timed-out:<email>``."""
+    thread cannot be killed); say that it runs with an Order for ``started:<email>``, and on
+    seeing ``current_job().timed_out``, say so with an Order for ``timed-out:<email>``."""
     from testproject.shop.models import Order
 
     ctx = current_job()
     assert ctx is not None
+    Order.objects.create(email=f"started:{email}", total_cents=1)
     reported = False
 
     def released() -> bool:
