@@ -64,10 +64,12 @@ def main() -> None:
     args = parser.parse_args()
     n = args.jobs
     connection = connections["default"]
-    connection.ensure_connection()
+    # The same database with server-side binding and prepared statements (docs/enqueue.md).
+    prepared = connections["prepared"]
     if not args.sync:
-        with connection.cursor() as cursor:
-            cursor.execute("SET synchronous_commit = off")
+        for each in (connection, prepared):
+            with each.cursor() as cursor:
+                cursor.execute("SET synchronous_commit = off")
     manager = Job.objects
 
     def planned(i: int) -> Any:
@@ -104,6 +106,10 @@ def main() -> None:
         [
             ("bare INSERT ... RETURNING id (Django cursor)", bare),
             ("enqueue()", lambda i: manager.enqueue(TASK, {"n": i})),
+            (
+                "enqueue(), server-side binding, prepared",
+                lambda i: Job.objects.db_manager("prepared").enqueue(TASK, {"n": i}),
+            ),
             (
                 "  ENQUEUE_ONE alone (sql.run)",
                 lambda i: sql.run(connection, sql.ENQUEUE_ONE, params),

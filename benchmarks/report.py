@@ -208,6 +208,13 @@ def build_rows(
         lambda r: r["jobs_per_s"],
     )
     add(
+        "w2_single_prepared.jobs_per_s",
+        "W2 enqueue(), server-side binding, prepared",
+        "jobs/s",
+        "w2_single_prepared",
+        lambda r: r["jobs_per_s"],
+    )
+    add(
         "w2_bare.jobs_per_s",
         "W2 bare INSERT loop, same connection",
         "jobs/s",
@@ -483,14 +490,12 @@ def build_targets(
         )
     )
     theirs = get("peer.pgqueuer.w2_single.jobs_per_s")
+    targets.append(ahead_of_pgqueuer("W2 enqueue()", single, theirs))
     targets.append(
-        Target(
-            "W2 enqueue() vs pgqueuer's single enqueue, side by side",
-            "-"
-            if single is None or theirs is None
-            else f"{single / theirs:.2f}x ({single:,.0f} vs {theirs:,.0f} jobs/s)",
-            ">= 1x",
-            None if single is None or theirs is None else single >= theirs,
+        ahead_of_pgqueuer(
+            "W2 enqueue(), server-side binding, prepared,",
+            get("w2_single_prepared.jobs_per_s"),
+            theirs,
         )
     )
     targets.append(
@@ -556,6 +561,18 @@ def build_targets(
         )
     )
     return targets
+
+
+def ahead_of_pgqueuer(what: str, single: float | None, theirs: float | None) -> Target:
+    """One enqueue's rate against pgqueuer's single enqueue, side by side."""
+    return Target(
+        f"{what} vs pgqueuer's single enqueue, side by side",
+        "-"
+        if single is None or theirs is None
+        else f"{single / theirs:.2f}x ({single:,.0f} vs {theirs:,.0f} jobs/s)",
+        ">= 1x",
+        None if single is None or theirs is None else single >= theirs,
+    )
 
 
 def enqueue_time_vs(
@@ -655,6 +672,11 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
         pairs += (
             (f"W1 1x8 / {peer}", "w1_1x8.jobs_per_s", f"peer.{peer}.w1.jobs_per_s"),
             (f"W2 enqueue() / {peer}", "w2_single.jobs_per_s", f"peer.{peer}.w2_single.jobs_per_s"),
+            (
+                f"W2 enqueue(), prepared / {peer}",
+                "w2_single_prepared.jobs_per_s",
+                f"peer.{peer}.w2_single.jobs_per_s",
+            ),
             (f"W2 bulk / {peer}", "w2_bulk.jobs_per_s", f"peer.{peer}.w2_bulk.jobs_per_s"),
             (f"W3 p50, {peer} / ours", f"peer.{peer}.w3.p50_ms", "w3.p50_ms"),
         )

@@ -385,6 +385,9 @@ def run_suite(
             lambda: bench.execute(processes=2, concurrency=sizes.concurrency // 2, settings=RIDE),
         ),
         ("w2", "w2_single", bench.enqueue_single),
+        # The same on an alias with Django's server_side_binding and psycopg's
+        # prepare_threshold (docs/enqueue.md, "The fastest single enqueue").
+        ("w2", "w2_single_prepared", lambda: bench.enqueue_single("prepared")),
         ("w2", "w2_bare", bench.insert_bare),
         ("w2", "w2_returning", bench.insert_returning),
         ("w2", "w2_bulk", bench.enqueue_bulk),

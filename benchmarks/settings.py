@@ -3,7 +3,8 @@ benchmark's own job module and an alias for the database that holds a long done 
 
 ``DATABASE_URL`` (read by the testproject settings) names the empty-history database;
 ``BENCH_HISTORY_DATABASE_URL`` the one with the done rows (alias ``history``);
-``BENCH_SCRAPE_DATABASE_URL`` the scrape section's (alias ``scrape``).
+``BENCH_SCRAPE_DATABASE_URL`` the scrape section's (alias ``scrape``). W2 also enqueues through
+the testproject's alias ``prepared``.
 """
 
 from __future__ import annotations

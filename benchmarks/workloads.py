@@ -230,12 +230,14 @@ class Bench:
 
     # -- W2 ---------------------------------------------------------------------------------
 
-    def enqueue_single(self) -> dict[str, Any]:
-        """W2: ``enqueue()`` N times in autocommit: one transaction (and NOTIFY) each."""
+    def enqueue_single(self, alias: str = "default") -> dict[str, Any]:
+        """W2: ``enqueue()`` N times in autocommit: one transaction (and NOTIFY) each, on
+        ``alias`` (``prepared``: the same database, statements bound and prepared on the
+        server)."""
         n = self.sizes.jobs
         self._reset(False)
         self.admin.checkpoint()
-        manager = Job.objects
+        manager = Job.objects.db_manager(alias)
         started = time.perf_counter()
         for i in range(n):
             manager.enqueue(TASK, {"n": i})

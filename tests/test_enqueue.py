@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 from django.conf import settings
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, connection, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.test import Client, TestCase, TransactionTestCase, override_settings
 from django.utils import timezone
@@ -627,3 +627,90 @@ class ManualTransactionTests(TransactionTestCase):
                     transaction.set_autocommit(True)
                 assert job_row(created.id)["status"] == "queued"
         assert Job.objects.count() == 3
+
+
+class PreparedEnqueueTests(TransactionTestCase):
+    """On an alias with Django's ``server_side_binding`` and psycopg's ``prepare_threshold``
+    (``prepared`` in the test settings: 0, every statement prepared at its first run), the
+    enqueue statements are prepared on the server and still write, return and notify what
+    they do on Django's default client-side binding (docs/enqueue.md)."""
+
+    databases: ClassVar[set[str]] = {"default", "prepared"}
+
+    def prepared_inserts(self) -> list[str]:
+        with connections["prepared"].cursor() as cursor:
+            cursor.execute(
+                "SELECT statement FROM pg_prepared_statements "
+                "WHERE NOT from_sql AND statement LIKE %s",
+                ["%INSERT INTO pgjobs_job%"],
+            )
+            return [row[0] for row in cursor.fetchall()]
+
+    def test_each_option_round_trips_through_the_prepared_statement(self) -> None:
+        manager = Job.objects.db_manager("prepared")
+        when = timezone.now() + timedelta(hours=1)
+        created = [
+            manager.enqueue(noop, {"n": 1}),
+            manager.enqueue(noop, {"n": 2}),
+            manager.enqueue(build_report, {"report_id": 3}, priority=-4, max_attempts=2),
+            manager.enqueue(noop, {"n": 4}, delay=timedelta(seconds=30), timeout=9.5),
+            manager.enqueue(noop, {"n": 5}, delay=90, timeout=timedelta(minutes=2)),
+            manager.enqueue(noop, {"n": 6}, run_at=when, queue="later"),
+            manager.enqueue(noop, {"n": 7}, unique_key="k", lock_key="l"),
+        ]
+        again = manager.enqueue(noop, {"n": 8}, unique_key="k")
+        assert (again.id, again.created) == (created[-1].id, False)
+        assert self.prepared_inserts(), "no enqueue statement was prepared on the server"
+        for made in created:
+            assert made._state.db == "prepared"
+            stored = Job.objects.get(id=made.id)
+            for field in Job._meta.concrete_fields:
+                assert getattr(made, field.attname) == getattr(stored, field.attname), field.name
+        rows = {made.id: job_row(made.id) for made in created}
+        assert rows[created[2].id]["queue"] == "reports"
+        assert (rows[created[2].id]["priority"], rows[created[2].id]["max_attempts"]) == (-4, 2)
+        for made, seconds in ((created[3], 30), (created[4], 90)):
+            row = rows[made.id]
+            assert row["run_at"] - row["created_at"] == timedelta(seconds=seconds)
+        assert rows[created[5].id]["run_at"] == when
+        options = {
+            row[0]: row[1:]
+            for row in Job.objects.filter(id__in=rows).values_list(
+                "id", "timeout", "unique_key", "lock_key"
+            )
+        }
+        assert options[created[3].id] == (timedelta(seconds=9.5), None, None)
+        assert options[created[4].id] == (timedelta(minutes=2), None, None)
+        assert options[created[6].id] == (None, "k", "l")
+        assert Job.objects.count() == 7
+
+    def test_the_prepared_enqueue_notifies_and_wrappers_see_it(self) -> None:
+        seen: list[str] = []
+
+        def observe(
+            execute: Callable[..., Any], statement: str, params: Any, many: bool, context: Any
+        ) -> Any:
+            seen.append(statement)
+            return execute(statement, params, many, context)
+
+        manager = Job.objects.db_manager("prepared")
+        with listening() as listener, connections["prepared"].execute_wrapper(observe):
+            for n in range(3):
+                manager.enqueue(noop, {"n": n}, queue=f"q{n}")
+            ids = manager.enqueue_many(noop, [{"n": 3}, {"n": 4}], queue="bulk")
+            assert sorted(listener.receive(4)) == ["bulk", "q0", "q1", "q2"]
+        assert len(seen) == 4
+        assert all(statement.lstrip().startswith("INSERT INTO pgjobs_job") for statement in seen)
+        assert len(self.prepared_inserts()) == 2
+        assert [job_row(i)["payload"] for i in ids] == [{"n": 3}, {"n": 4}]
+
+    def test_in_a_rolled_back_transaction_nothing_is_written_or_sent(self) -> None:
+        manager = Job.objects.db_manager("prepared")
+        with listening() as listener:
+            with contextlib.suppress(RuntimeError), transaction.atomic(using="prepared"):
+                manager.enqueue(noop, {"n": 1})
+                raise RuntimeError
+            assert listener.quiet() == []
+            kept = manager.enqueue(noop, {"n": 2})
+            assert listener.receive(1) == ["default"]
+        assert list(Job.objects.values_list("id", flat=True)) == [kept.id]
