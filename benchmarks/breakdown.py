@@ -66,11 +66,13 @@ def main() -> None:
     connection = connections["default"]
     # The same database with server-side binding and prepared statements (docs/enqueue.md).
     prepared = connections["prepared"]
-    if not args.sync:
-        for each in (connection, prepared):
+    for each in (connection, prepared):
+        each.ensure_connection()
+        if not args.sync:
             with each.cursor() as cursor:
                 cursor.execute("SET synchronous_commit = off")
     manager = Job.objects
+    on_prepared = Job.objects.db_manager("prepared")
 
     def planned(i: int) -> Any:
         """The client's part of one enqueue: the task's look-up, the checks, the encoding."""
@@ -108,11 +110,15 @@ def main() -> None:
             ("enqueue()", lambda i: manager.enqueue(TASK, {"n": i})),
             (
                 "enqueue(), server-side binding, prepared",
-                lambda i: Job.objects.db_manager("prepared").enqueue(TASK, {"n": i}),
+                lambda i: on_prepared.enqueue(TASK, {"n": i}),
             ),
             (
                 "  ENQUEUE_ONE alone (sql.run)",
                 lambda i: sql.run(connection, sql.ENQUEUE_ONE, params),
+            ),
+            (
+                "  ENQUEUE_ONE alone, prepared",
+                lambda i: sql.run(prepared, sql.ENQUEUE_ONE, params),
             ),
             (
                 "  ENQUEUE_ONE without its NOTIFY",

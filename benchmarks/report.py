@@ -493,7 +493,7 @@ def build_targets(
     targets.append(ahead_of_pgqueuer("W2 enqueue()", single, theirs))
     targets.append(
         ahead_of_pgqueuer(
-            "W2 enqueue(), server-side binding, prepared,",
+            "W2 enqueue() with server-side binding, prepared",
             get("w2_single_prepared.jobs_per_s"),
             theirs,
         )
@@ -642,6 +642,11 @@ def info_ratios(rows: Sequence[Row]) -> list[tuple[str, str]]:
             "claim_empty.claim_complete_ms",
         ),
         ("W2 enqueue_many() / enqueue()", "w2_bulk.jobs_per_s", "w2_single.jobs_per_s"),
+        (
+            "W2 enqueue(), prepared / Django's defaults",
+            "w2_single_prepared.jobs_per_s",
+            "w2_single.jobs_per_s",
+        ),
         ("W1 4x2 with 10 lock keys / none", "w1_4x2_keys10.jobs_per_s", "w1_4x2_nokeys.jobs_per_s"),
         ("scrape, finished rows / none", "scrape_full.scrape_ms", "scrape_empty.scrape_ms"),
         ("claimers 16 / 1, jobs/s", "claimers_16.jobs_per_s", "claimers_1.jobs_per_s"),

@@ -637,11 +637,12 @@ class PreparedEnqueueTests(TransactionTestCase):
 
     databases: ClassVar[set[str]] = {"default", "prepared"}
 
-    def prepared_inserts(self) -> list[str]:
+    def prepared_inserts(self) -> list[int]:
+        """How many times each enqueue statement prepared on the alias's connection ran."""
         with connections["prepared"].cursor() as cursor:
             cursor.execute(
-                "SELECT statement FROM pg_prepared_statements "
-                "WHERE NOT from_sql AND statement LIKE %s",
+                "SELECT generic_plans + custom_plans FROM pg_prepared_statements "
+                "WHERE NOT from_sql AND statement LIKE %s ORDER BY prepare_time",
                 ["%INSERT INTO pgjobs_job%"],
             )
             return [row[0] for row in cursor.fetchall()]
@@ -660,7 +661,9 @@ class PreparedEnqueueTests(TransactionTestCase):
         ]
         again = manager.enqueue(noop, {"n": 8}, unique_key="k")
         assert (again.id, again.created) == (created[-1].id, False)
-        assert self.prepared_inserts(), "no enqueue statement was prepared on the server"
+        # All 8 INSERTs ran prepared (psycopg prepares one statement per text and parameter
+        # types, so the options above make several).
+        assert sum(self.prepared_inserts()) == 8
         for made in created:
             assert made._state.db == "prepared"
             stored = Job.objects.get(id=made.id)
@@ -699,18 +702,26 @@ class PreparedEnqueueTests(TransactionTestCase):
                 manager.enqueue(noop, {"n": n}, queue=f"q{n}")
             ids = manager.enqueue_many(noop, [{"n": 3}, {"n": 4}], queue="bulk")
             assert sorted(listener.receive(4)) == ["bulk", "q0", "q1", "q2"]
+            assert listener.quiet() == []
         assert len(seen) == 4
         assert all(statement.lstrip().startswith("INSERT INTO pgjobs_job") for statement in seen)
-        assert len(self.prepared_inserts()) == 2
+        # ENQUEUE_ONE three times, ENQUEUE once.
+        assert sorted(self.prepared_inserts()) == [1, 3]
         assert [job_row(i)["payload"] for i in ids] == [{"n": 3}, {"n": 4}]
 
-    def test_in_a_rolled_back_transaction_nothing_is_written_or_sent(self) -> None:
+    def test_after_a_rollback_nothing_is_written_or_sent_and_the_next_is_prepared_again(
+        self,
+    ) -> None:
         manager = Job.objects.db_manager("prepared")
         with listening() as listener:
             with contextlib.suppress(RuntimeError), transaction.atomic(using="prepared"):
-                manager.enqueue(noop, {"n": 1})
+                manager.enqueue(noop, {"n": 1}, queue="rolled_back")
+                assert self.prepared_inserts() == [1]
                 raise RuntimeError
+            # psycopg drops its prepared statements at a ROLLBACK (DEALLOCATE ALL).
+            assert self.prepared_inserts() == []
+            kept = manager.enqueue(noop, {"n": 2}, queue="kept")
+            assert listener.receive(1) == ["kept"]
             assert listener.quiet() == []
-            kept = manager.enqueue(noop, {"n": 2})
-            assert listener.receive(1) == ["default"]
+        assert self.prepared_inserts() == [1]
         assert list(Job.objects.values_list("id", flat=True)) == [kept.id]
