@@ -31,6 +31,18 @@ from tests.helpers import job_row, listening, query, scalar
 NOOP = "testproject.testjobs.noop"
 
 
+def recorder(seen: list[str]) -> Callable[..., Any]:
+    """An ``execute_wrapper`` that appends each statement it sees to ``seen``."""
+
+    def observe(
+        execute: Callable[..., Any], statement: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        seen.append(statement)
+        return execute(statement, params, many, context)
+
+    return observe
+
+
 @job(queue="reports", priority=7)
 def build_report(report_id: int) -> None:
     """A test-only job with a default queue and priority."""
@@ -134,14 +146,7 @@ class EnqueueTests(TestCase):
 
     def test_execute_wrappers_see_the_enqueue_statements(self) -> None:
         seen: list[str] = []
-
-        def observe(
-            execute: Callable[..., Any], statement: str, params: Any, many: bool, context: Any
-        ) -> Any:
-            seen.append(statement)
-            return execute(statement, params, many, context)
-
-        with connection.execute_wrapper(observe):
+        with connection.execute_wrapper(recorder(seen)):
             Job.objects.enqueue(noop, {"n": 1})
             Job.objects.enqueue_many(noop, [{"n": 2}, {"n": 3}])
         assert len(seen) == 2
@@ -689,15 +694,8 @@ class PreparedEnqueueTests(TransactionTestCase):
 
     def test_the_prepared_enqueue_notifies_and_wrappers_see_it(self) -> None:
         seen: list[str] = []
-
-        def observe(
-            execute: Callable[..., Any], statement: str, params: Any, many: bool, context: Any
-        ) -> Any:
-            seen.append(statement)
-            return execute(statement, params, many, context)
-
         manager = Job.objects.db_manager("prepared")
-        with listening() as listener, connections["prepared"].execute_wrapper(observe):
+        with listening() as listener, connections["prepared"].execute_wrapper(recorder(seen)):
             for n in range(3):
                 manager.enqueue(noop, {"n": n}, queue=f"q{n}")
             ids = manager.enqueue_many(noop, [{"n": 3}, {"n": 4}], queue="bulk")
