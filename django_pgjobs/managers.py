@@ -11,6 +11,7 @@ The ``*_many`` forms do the same for a batch in one statement.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings as django_settings
 from django.db import connections, models, transaction
+from django.db.models.base import ModelState
+from django.db.models.signals import post_init, pre_init
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
@@ -79,6 +82,15 @@ class _Columns:
     positions: dict[str, int]
     constants: list[Any]
     factories: list[tuple[int, Callable[[], Any]]]
+    # Whether an instance can be built by filling in its __dict__, which is all that
+    # Model.__init__ does with the values (beside its pre_init and post_init signals): the
+    # model (a proxy of Job could differ) keeps Django's __init__ and from_db.
+    direct: bool
+
+
+def _django_own(model: type[models.Model], name: str) -> bool:
+    """Whether ``model`` takes its ``name`` method from Django's ``Model``, unchanged."""
+    return inspect.getattr_static(model, name) is inspect.getattr_static(models.Model, name)
 
 
 @functools.cache
@@ -88,24 +100,44 @@ def _columns(model: type[models.Model]) -> _Columns:
     called = {
         i for i, field in enumerate(fields) if field.has_default() and callable(field.default)
     }
+    direct = _django_own(model, "__init__") and _django_own(model, "from_db")
     return _Columns(
         [field.attname for field in fields],
         {field.attname: i for i, field in enumerate(fields)},
         [None if i in called else field.get_default() for i, field in enumerate(fields)],
         [(i, fields[i].default) for i in sorted(called)],
+        direct,
     )
 
 
 def _loaded(model: type[Job], alias: str, known: Mapping[str, Any]) -> Job:
     """The ``Job`` as Django would load its row: ``known`` columns, the others' defaults
-    (NULL, 0, an empty list: what the INSERT left them)."""
+    (NULL, 0, an empty list: what the INSERT left them).
+
+    Built as ``Model.__init__`` builds it, without going through it when nothing would see
+    the difference (no ``pre_init`` or ``post_init`` receiver for the model, and see
+    ``_Columns.direct``): its generic loop over the columns cost an enqueue 17 to 24 µs of
+    client CPU."""
     columns = _columns(model)
     values = columns.constants.copy()
     for i, factory in columns.factories:
         values[i] = factory()
     for name, value in known.items():
         values[columns.positions[name]] = value
-    return model.from_db(alias, columns.names, values)
+    if (
+        not columns.direct
+        or signals.listening(pre_init, model)
+        or signals.listening(post_init, model)
+    ):
+        return model.from_db(alias, columns.names, values)
+    job = model.__new__(model)
+    state = ModelState()
+    state.adding = False
+    state.db = alias
+    attributes = job.__dict__
+    attributes["_state"] = state
+    attributes.update(zip(columns.names, values, strict=True))
+    return job
 
 
 def _fence(job: ClaimedJob | int, attempts: int | None, claimed_at: datetime | None) -> Claim:

@@ -15,8 +15,10 @@ from typing import Any, ClassVar
 import pytest
 from django.conf import settings
 from django.db import DatabaseError, connection, connections, transaction
+from django.db.models.signals import post_init, pre_init
 from django.db.transaction import TransactionManagementError
 from django.test import Client, TestCase, TransactionTestCase, override_settings
+from django.test.utils import isolate_apps
 from django.utils import timezone
 
 from django_pgjobs import job, registry
@@ -143,6 +145,73 @@ class EnqueueTests(TestCase):
         created.priority = 9
         created.save(update_fields=["priority"])
         assert job_row(created.id)["priority"] == 9
+
+    def test_the_returned_job_is_built_as_django_builds_a_loaded_row(self) -> None:
+        created = Job.objects.enqueue(noop, {"n": 1})
+        names = [field.attname for field in Job._meta.concrete_fields]
+        loaded = Job.from_db("default", names, [getattr(created, name) for name in names])
+        # The same attributes, in the same order, and the same state: a Django release that
+        # sets more in Model.__init__ or from_db fails here.
+        assert type(created) is Job
+        assert list(vars(created)) == [*vars(loaded), "created"]
+        assert vars(created._state) == vars(loaded._state)
+        assert all(getattr(created, name) == getattr(loaded, name) for name in names)
+
+    def test_init_signal_receivers_see_the_enqueued_job(self) -> None:
+        seen: list[tuple[str, object]] = []
+
+        def before(sender: type[Job], args: tuple[Any, ...], **extra: Any) -> None:
+            seen.append(("pre_init", sender))
+
+        def after(sender: type[Job], instance: Job, **extra: Any) -> None:
+            seen.append(("post_init", instance))
+
+        for signal, receiver, name in (
+            (pre_init, before, "pre_init"),
+            (post_init, after, "post_init"),
+        ):
+            seen.clear()
+            signal.connect(receiver, sender=Job)
+            try:
+                created = Job.objects.enqueue(noop, {"n": 1})
+            finally:
+                signal.disconnect(receiver, sender=Job)
+            # pre_init is sent with the class, post_init with the instance returned.
+            assert [each for each, _ in seen] == [name]
+            assert seen[0][1] is (Job if signal is pre_init else created)
+
+    @isolate_apps("django_pgjobs")
+    def test_a_proxy_with_its_own_init_or_from_db_builds_its_jobs_through_it(self) -> None:
+        class Marked(Job):
+            marked: str
+
+            class Meta:
+                proxy = True
+                app_label = "django_pgjobs"
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.marked = "__init__"
+
+        class Loaded(Job):
+            marked: str
+
+            class Meta:
+                proxy = True
+                app_label = "django_pgjobs"
+
+            @classmethod
+            def from_db(cls, *args: Any, **kwargs: Any) -> Loaded:
+                loaded = super().from_db(*args, **kwargs)
+                loaded.marked = "from_db"
+                return loaded
+
+        for proxy, mark in ((Marked, "__init__"), (Loaded, "from_db")):
+            created = proxy.objects.enqueue(noop, {"n": 1})
+            assert type(created) is proxy
+            assert created.marked == mark
+            assert (created._state.adding, created._state.db) == (False, "default")
+            assert Job.objects.get(id=created.id).payload == {"n": 1}
 
     def test_execute_wrappers_see_the_enqueue_statements(self) -> None:
         seen: list[str] = []
