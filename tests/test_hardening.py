@@ -39,7 +39,13 @@ from testproject.testjobs import (
     sleep,
 )
 from tests.helpers import job_row, query, wait_until
-from tests.workers import Workers, counts
+from tests.workers import (
+    Workers,
+    break_own_connection_quietly,
+    counts,
+    leave_a_transaction_open,
+    write_order,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -136,6 +142,29 @@ def test_a_jobs_own_connection_error_is_its_failure(workers: Workers) -> None:
         assert (row["status"], row["attempts"]) == ("failed", 2), row
         assert scalar_outages(job.id) == 0
     assert "ValueError: gave up" in job_row(in_handler.id)["last_error"]
+
+
+def test_a_job_that_returns_with_its_connection_mid_transaction_or_broken_spoils_no_next_job(
+    workers: Workers,
+) -> None:
+    # Each pair runs on one executor thread, the spoiler first: the spoiler raises nothing,
+    # so the worker tidies only the connections the thread opened (db.tidy_opened()). The job
+    # after it must find a connection in autocommit that works: its write commits, the first
+    # attempt, no outage counted.
+    left_open = Job.objects.enqueue(
+        leave_a_transaction_open, {"email": "never-committed@example.com"}, priority=2
+    )
+    after_open = Job.objects.enqueue(write_order, {"email": "after-open@example.com"}, priority=1)
+    broken = Job.objects.enqueue(break_own_connection_quietly, priority=0)
+    after_broken = Job.objects.enqueue(
+        write_order, {"email": "after-broken@example.com"}, priority=-1
+    )
+    workers.burst("--concurrency", "1", test_jobs=True)
+    for job in (left_open, after_open, broken, after_broken):
+        row = job_row(job.id)
+        assert (row["status"], row["attempts"], scalar_outages(job.id)) == ("done", 1, 0), row
+    emails = {email for (email,) in query("SELECT email FROM shop_order")}
+    assert emails == {"after-open@example.com", "after-broken@example.com"}
 
 
 def test_a_job_claimed_again_before_its_old_outcome_is_forgotten_stays_held() -> None:

@@ -9,12 +9,13 @@ read, and tags its database connections with its own ``application_name`` (libpq
 itself ``pgjobs-listener``.
 
 The module also defines jobs the testproject lacks (one that writes through the ORM and can
-then raise, one that reads through it, one that calls ``sys.exit``, one whose error text cannot
-be encoded, one retried after a second, two that end on the test's signal rather than a
-clock's, one that runs until it is cancelled, one that records when it ran, one that waits
-until its queue has N running, and one that records which process ran it); a worker started
-with ``test_jobs=True`` imports this module so it can run them, and ``tests.periodic_jobs``
-(whose schedules are declared only when a test asks for them).
+then raise, one that leaves a transaction open and one that breaks its own connection, both
+returning as if all went well, one that reads through the ORM, one that calls ``sys.exit``,
+one whose error text cannot be encoded, one retried after a second, two that end on the test's
+signal rather than a clock's, one that runs until it is cancelled, one that records when it
+ran, one that waits until its queue has N running, and one that records which process ran
+it); a worker started with ``test_jobs=True`` imports this module so it can run them, and
+``tests.periodic_jobs`` (whose schedules are declared only when a test asks for them).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from types import TracebackType
 from typing import Any
 
 from django.conf import settings
-from django.db import connections
+from django.db import DatabaseError, connection, connections, transaction
 
 import tests.retry_jobs  # noqa: F401 - a worker with test_jobs=True runs these jobs too
 from django_pgjobs import current_job, job, sql
@@ -59,6 +60,24 @@ def write_order(email: str, fail: bool = False, pause: float = 0.0) -> None:
     time.sleep(pause)
     if fail:
         raise RuntimeError(f"failed after writing order {email}")
+
+
+@job
+def leave_a_transaction_open(email: str) -> None:
+    """Turn autocommit off, write an Order and return without committing: a job's bug that
+    must not reach the next job on the same executor thread."""
+    from testproject.shop.models import Order
+
+    transaction.set_autocommit(False)
+    Order.objects.create(email=email, total_cents=100)
+
+
+@job
+def break_own_connection_quietly() -> None:
+    """End this job's own database session and swallow the error: it returns as if all went
+    well, leaving its thread a broken connection."""
+    with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
 
 
 @job

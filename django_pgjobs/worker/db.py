@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import psycopg
@@ -54,6 +55,11 @@ def _count_opened(sender: Any, connection: Any, **kwargs: Any) -> None:
     counts: Counter[str] = getattr(_opened, "counts", None) or Counter()
     counts[connection.alias] += 1
     _opened.counts = counts
+    # The wrappers this thread has connected, for tidy_opened().
+    wrappers: dict[str, Any] | None = getattr(_opened, "wrappers", None)
+    if wrappers is None:
+        wrappers = _opened.wrappers = {}
+    wrappers[connection.alias] = connection
     dropped: set[str] = getattr(_opened, "dropped", set())
     if connection.alias in dropped:
         # The one reset() dropped, opened again: its drop was counted there.
@@ -78,8 +84,8 @@ class QueueConnection(NamedTuple):
 
 
 def queue_connection(alias: str) -> QueueConnection:
-    counts: Counter[str] = getattr(_opened, "counts", None) or Counter()
-    return QueueConnection(connections[alias].connection, counts[alias])
+    counts: Counter[str] | None = getattr(_opened, "counts", None)
+    return QueueConnection(connections[alias].connection, counts[alias] if counts else 0)
 
 
 def queue_database_away(exc: BaseException, alias: str, before: QueueConnection) -> bool:
@@ -202,7 +208,29 @@ def tidy() -> None:
     is not a request: reconnecting for every job costs more than most jobs. Healthy
     connections stay open; a positive ``CONN_MAX_AGE`` is still honoured as a maximum age.
     """
-    for connection in connections.all(initialized_only=True):
+    _tidy(connections.all(initialized_only=True))
+
+
+def tidy_opened() -> None:
+    """``tidy()`` after a job that raised nothing, of the connections this thread has opened.
+
+    ``tidy()`` looks up every alias in ``DATABASES`` on asgiref's ``Local`` behind
+    ``connections``, which costs 2 to 3 µs per alias, most for the aliases this thread never
+    used: with three aliases, a tenth of a no-op job's time in the worker. The connections a
+    job can leave broken, mid-transaction or too old are ones this thread opened (Django sends
+    ``connection_created`` for each), so only those are looked at. One is missed: a
+    connection whose set-up failed after it was opened (no ``connection_created``), the first
+    on its alias in this thread. The job met that error; a job that raised it gets
+    ``tidy()``, and one that swallowed it leaves that connection to the next job, whose query
+    fails on it if it is broken (and gets ``tidy()``).
+    """
+    wrappers: dict[str, Any] | None = getattr(_opened, "wrappers", None)
+    if wrappers:
+        _tidy(wrappers.values())
+
+
+def _tidy(wrappers: Iterable[Any]) -> None:
+    for connection in wrappers:
         if connection.settings_dict.get("CONN_MAX_AGE") == 0:
             connection.close_at = None
         connection.close_if_unusable_or_obsolete()

@@ -28,7 +28,7 @@ from django_pgjobs.context import JobContext
 from django_pgjobs.exceptions import InvalidResult
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
-from django_pgjobs.worker.db import reset_all, tidy, unavailable
+from django_pgjobs.worker.db import reset_all, tidy, tidy_opened, unavailable
 from django_pgjobs.worker.executor import Shared, acall, call, context
 from django_pgjobs.worker.outcomes import RELEASE, Outcome, announce
 
@@ -189,6 +189,8 @@ class LeaseMode:
             self.completer.untrack(job)
         if outcome.outage:
             reset_all()
+        elif outcome.error is None:
+            tidy_opened()
         else:
             tidy()
         self._finish(job, ctx, outcome)
