@@ -82,31 +82,44 @@ class _Columns:
     positions: dict[str, int]
     constants: list[Any]
     factories: list[tuple[int, Callable[[], Any]]]
-    # Whether an instance can be built by filling in its __dict__, which is all that
-    # Model.__init__ does with the values (beside its pre_init and post_init signals): the
-    # model (a proxy of Job could differ) keeps Django's __init__ and from_db.
+    # Whether an instance can be built by writing its attributes into its __dict__ (see
+    # _direct()).
     direct: bool
 
 
-def _django_own(model: type[models.Model], name: str) -> bool:
-    """Whether ``model`` takes its ``name`` method from Django's ``Model``, unchanged."""
-    return inspect.getattr_static(model, name) is inspect.getattr_static(models.Model, name)
+# What a model's class may define for _loaded() to build its instances directly: any of these
+# would have run (or been bypassed) when Model.__init__ or Model.from_db built one.
+_BUILDING = ("__new__", "__init__", "__setattr__", "from_db")
 
 
+def _direct(model: type[models.Model], names: list[str]) -> bool:
+    """Whether an instance of ``model`` may be built by writing its attributes straight into
+    its ``__dict__``: ``Model.__init__`` sets each column with ``setattr`` and then calls
+    ``super().__init__()``, so that is the same instance only when no class of the model's
+    own (Job, a proxy of it, a mixin anywhere in its MRO) defines one of ``_BUILDING``, and
+    no column's class attribute acts when set (a descriptor with ``__set__``). Django's own
+    classes (``Model`` and its bases) are known to set nothing more."""
+    own = [klass for klass in model.__mro__ if klass not in models.Model.__mro__]
+    return not any(name in vars(klass) for klass in own for name in _BUILDING) and not any(
+        hasattr(type(inspect.getattr_static(model, name, None)), "__set__") for name in names
+    )
+
+
+# Per model class, decided at its first enqueue (a class patched later is not looked at again).
 @functools.cache
 def _columns(model: type[models.Model]) -> _Columns:
     fields = model._meta.concrete_fields
+    names = [field.attname for field in fields]
     # A field without a default has Django's NOT_PROVIDED there, a class: callable too.
     called = {
         i for i, field in enumerate(fields) if field.has_default() and callable(field.default)
     }
-    direct = _django_own(model, "__init__") and _django_own(model, "from_db")
     return _Columns(
-        [field.attname for field in fields],
-        {field.attname: i for i, field in enumerate(fields)},
+        names,
+        {name: i for i, name in enumerate(names)},
         [None if i in called else field.get_default() for i, field in enumerate(fields)],
         [(i, fields[i].default) for i in sorted(called)],
-        direct,
+        _direct(model, names),
     )
 
 
@@ -115,9 +128,9 @@ def _loaded(model: type[Job], alias: str, known: Mapping[str, Any]) -> Job:
     (NULL, 0, an empty list: what the INSERT left them).
 
     Built as ``Model.__init__`` builds it, without going through it when nothing would see
-    the difference (no ``pre_init`` or ``post_init`` receiver for the model, and see
-    ``_Columns.direct``): its generic loop over the columns cost an enqueue 17 to 24 µs of
-    client CPU."""
+    the difference (no ``pre_init`` or ``post_init`` receiver for the model, and
+    ``_direct()``): its generic loop over the columns cost an enqueue 17 to 24 µs of client
+    CPU."""
     columns = _columns(model)
     values = columns.constants.copy()
     for i, factory in columns.factories:

@@ -44,6 +44,7 @@ from tests.workers import (
     break_own_connection_quietly,
     counts,
     leave_a_transaction_open,
+    query_on_a_copy_too,
     write_order,
 )
 
@@ -165,6 +166,24 @@ def test_a_job_that_returns_with_its_connection_mid_transaction_or_broken_spoils
         assert (row["status"], row["attempts"], scalar_outages(job.id)) == ("done", 1, 0), row
     emails = {email for (email,) in query("SELECT email FROM shop_order")}
     assert emails == {"after-open@example.com", "after-broken@example.com"}
+
+
+def test_a_second_connection_to_the_same_alias_does_not_hide_the_first_from_tidying(
+    workers: Workers,
+) -> None:
+    # The thread's connection is opened first, then a copy of it: both are the thread's, and
+    # the one left mid-transaction by the next job must still be closed after it.
+    on_a_copy = Job.objects.enqueue(query_on_a_copy_too, priority=2)
+    left_open = Job.objects.enqueue(
+        leave_a_transaction_open, {"email": "never-committed@example.com"}, priority=1
+    )
+    after_open = Job.objects.enqueue(write_order, {"email": "after-open@example.com"}, priority=0)
+    workers.burst("--concurrency", "1", test_jobs=True)
+    for job in (on_a_copy, left_open, after_open):
+        assert job_row(job.id)["status"] == "done"
+    assert [email for (email,) in query("SELECT email FROM shop_order")] == [
+        "after-open@example.com"
+    ]
 
 
 def test_a_job_claimed_again_before_its_old_outcome_is_forgotten_stays_held() -> None:

@@ -10,12 +10,13 @@ itself ``pgjobs-listener``.
 
 The module also defines jobs the testproject lacks (one that writes through the ORM and can
 then raise, one that leaves a transaction open and one that breaks its own connection, both
-returning as if all went well, one that reads through the ORM, one that calls ``sys.exit``,
-one whose error text cannot be encoded, one retried after a second, two that end on the test's
-signal rather than a clock's, one that runs until it is cancelled, one that records when it
-ran, one that waits until its queue has N running, and one that records which process ran
-it); a worker started with ``test_jobs=True`` imports this module so it can run them, and
-``tests.periodic_jobs`` (whose schedules are declared only when a test asks for them).
+returning as if all went well, one that queries on a copy of its connection, one that reads
+through the ORM, one that calls ``sys.exit``, one whose error text cannot be encoded, one
+retried after a second, two that end on the test's signal rather than a clock's, one that runs
+until it is cancelled, one that records when it ran, one that waits until its queue has N
+running, and one that records which process ran it); a worker started with
+``test_jobs=True`` imports this module so it can run them, and ``tests.periodic_jobs`` (whose
+schedules are declared only when a test asks for them).
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def break_own_connection_quietly() -> None:
     well, leaving its thread a broken connection."""
     with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+
+@job
+def query_on_a_copy_too() -> None:
+    """Query on this thread's connection, then on a copy of it (one more connection to the
+    same alias, as a job writing outside its own transaction opens), closed at the end."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    other = connection.copy()
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    finally:
+        other.close()
 
 
 @job

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -55,11 +56,13 @@ def _count_opened(sender: Any, connection: Any, **kwargs: Any) -> None:
     counts: Counter[str] = getattr(_opened, "counts", None) or Counter()
     counts[connection.alias] += 1
     _opened.counts = counts
-    # The wrappers this thread has connected, for tidy_opened().
-    wrappers: dict[str, Any] | None = getattr(_opened, "wrappers", None)
+    # The connections this thread has opened and not yet seen closed, for tidy_opened(): by
+    # identity, since one alias may have several (the one in `connections`, a job's copy()),
+    # and weakly, so that one a job dropped without closing is still collected (and closed).
+    wrappers: weakref.WeakValueDictionary[int, Any] | None = getattr(_opened, "wrappers", None)
     if wrappers is None:
-        wrappers = _opened.wrappers = {}
-    wrappers[connection.alias] = connection
+        wrappers = _opened.wrappers = weakref.WeakValueDictionary()
+    wrappers[id(connection)] = connection
     dropped: set[str] = getattr(_opened, "dropped", set())
     if connection.alias in dropped:
         # The one reset() dropped, opened again: its drop was counted there.
@@ -212,21 +215,30 @@ def tidy() -> None:
 
 
 def tidy_opened() -> None:
-    """``tidy()`` after a job that raised nothing, of the connections this thread has opened.
+    """``tidy()`` of the connections this thread opened, after a lease-mode job that ended
+    without an error (completed or snoozed).
 
     ``tidy()`` looks up every alias in ``DATABASES`` on asgiref's ``Local`` behind
     ``connections``, which costs 2 to 3 µs per alias, most for the aliases this thread never
     used: with three aliases, a tenth of a no-op job's time in the worker. The connections a
     job can leave broken, mid-transaction or too old are ones this thread opened (Django sends
-    ``connection_created`` for each), so only those are looked at. One is missed: a
-    connection whose set-up failed after it was opened (no ``connection_created``), the first
-    on its alias in this thread. The job met that error; a job that raised it gets
-    ``tidy()``, and one that swallowed it leaves that connection to the next job, whose query
-    fails on it if it is broken (and gets ``tidy()``).
+    ``connection_created`` for each), so only those are looked at, and each is forgotten once
+    it is closed (opened again, it is recorded again).
+
+    One is missed: a connection whose set-up failed after it was opened (an error in
+    Django's session set-up or in a ``connection_created`` receiver before ours), in a job
+    that swallowed that error. A job that raised it gets ``tidy()``. Otherwise the next job
+    to query it on this thread meets it broken: an error it did not earn, counted as its
+    failure, or as an outage release when the alias is the queue's; that job gets ``tidy()``.
     """
-    wrappers: dict[str, Any] | None = getattr(_opened, "wrappers", None)
-    if wrappers:
-        _tidy(wrappers.values())
+    wrappers: weakref.WeakValueDictionary[int, Any] | None = getattr(_opened, "wrappers", None)
+    if not wrappers:
+        return
+    opened = list(wrappers.items())
+    _tidy(connection for _, connection in opened)
+    for key, connection in opened:
+        if connection.connection is None:
+            del wrappers[key]
 
 
 def _tidy(wrappers: Iterable[Any]) -> None:

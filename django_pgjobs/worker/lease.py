@@ -182,8 +182,9 @@ class LeaseMode:
         ctx = context(job)
         self.completer.track(job, ctx)
         try:
-            # No tidy() first: the previous job's tidy() (or reset_all()) left this thread's
-            # connections usable, and a new thread has none yet.
+            # No tidy() first: the previous job's tidy(), tidy_opened() or reset_all() left
+            # this thread's connections usable (but for the one case tidy_opened() names),
+            # and a new thread has none yet.
             outcome = call(job, ctx, self.store.alias)
         finally:
             self.completer.untrack(job)
