@@ -227,9 +227,10 @@ def tidy_opened() -> None:
 
     One is missed: a connection whose set-up failed after it was opened (an error in
     Django's session set-up or in a ``connection_created`` receiver before ours), in a job
-    that swallowed that error. A job that raised it gets ``tidy()``. Otherwise the next job
-    to query it on this thread meets it broken: an error it did not earn, counted as its
-    failure, or as an outage release when the alias is the queue's; that job gets ``tidy()``.
+    that swallowed that error. A job that raised it gets ``tidy()``. Otherwise it is not
+    closed for its age until a job on this thread raises, and the next job to query it here
+    meets it broken: an error it did not earn, counted as its failure, or as an outage
+    release when the alias is the queue's; that job gets ``tidy()``.
     """
     wrappers: weakref.WeakValueDictionary[int, Any] | None = getattr(_opened, "wrappers", None)
     if not wrappers:
