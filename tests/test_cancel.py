@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -266,6 +267,46 @@ def test_the_heartbeat_tells_a_cancelled_job_from_one_whose_lease_was_lost() -> 
     flags = {job_id: (ctx.cancelled, ctx.lost) for job_id, ctx in contexts.items()}
     assert flags == {cancelled: (True, False), reaped: (False, True), alive: (False, False)}
     assert {job.id for job in beats.held()} == {alive}
+
+
+def test_a_job_tracked_while_the_completer_sleeps_until_a_far_deadline_is_heartbeated() -> None:
+    """The completer is woken for a newly tracked job only when its heartbeat falls due
+    before the completer's wait ends. Here the wait is an hour long: the only job tracked has
+    lost its lease, so nothing is due but that job's timeout. A job tracked then must be
+    heartbeated all the same, or its lease would run out while it runs."""
+    lease = timedelta(seconds=3)  # a heartbeat every second
+    stale_id = Job.objects.enqueue(noop, {"n": 0}, timeout=3600).id
+    (stale,) = Job.objects.claim(limit=1, lease=lease)
+    store = Store("default", direct=True, synchronous_commit=None, prepare=False)
+    beats = Completer(store, lease, WorkerStats(), "test:1")
+    beats.hold([stale])
+    stale_ctx = context(stale)
+    beats.track(stale, stale_ctx)
+    # Taken back and finished elsewhere meanwhile: its heartbeat is refused.
+    query("UPDATE pgjobs_job SET status = 'done', locked_until = NULL WHERE id = %s", [stale_id])
+    beats.start()
+    try:
+        wait_until(lambda: stale_ctx.lost, message="the taken job's heartbeat was refused")
+        # Nothing the completer heartbeats is left: it sleeps until the stale job's deadline.
+        wait_until(
+            lambda: (beats._wakes_at or 0) - time.monotonic() > 600,
+            message="the completer sleeps until the hour-long deadline",
+        )
+        fresh_id = Job.objects.enqueue(noop, {"n": 1}).id
+        (fresh,) = Job.objects.claim(limit=1, lease=lease)
+        claimed_until = scalar("SELECT locked_until FROM pgjobs_job WHERE id = %s", [fresh_id])
+        beats.hold([fresh])
+        beats.track(fresh, context(fresh))
+        wait_until(
+            lambda: (
+                scalar("SELECT locked_until FROM pgjobs_job WHERE id = %s", [fresh_id])
+                > claimed_until
+            ),
+            message="the job tracked during the long wait had its lease extended",
+        )
+    finally:
+        beats.close(timeout=5)
+        store.close()
 
 
 def test_a_job_cancelled_after_its_function_returned_counts_as_cancelled_not_lost(

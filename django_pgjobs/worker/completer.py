@@ -105,7 +105,15 @@ class Completer(threading.Thread):
         self.worker_id = worker_id
         # Fed with each outcome written (None: runjobs serves no metrics).
         self.metrics = metrics
-        self._cond = threading.Condition()
+        # Taken as the plain lock (its context manager is C; the Condition's is Python, and
+        # the executors take it four times a job); the Condition over it is only for the wait.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        # While this thread waits on the Condition, the monotonic time its wait ends (written
+        # holding the lock; None otherwise, or once notified): only a waiting thread needs
+        # notifying, once, and only of what falls due before then (Condition.notify() is
+        # Python too; a batch of outcomes arrives together).
+        self._wakes_at: float | None = None
         self._pending: list[Outcome] = []
         # Monotonic time the oldest pending outcome was recorded.
         self._pending_since = math.inf
@@ -129,17 +137,17 @@ class Completer(threading.Thread):
 
     def hold(self, jobs: list[ClaimedJob]) -> None:
         """Claimed jobs are ours until their outcome is written (or the lease is lost)."""
-        with self._cond:
+        with self._lock:
             self._held.update((job.id, job) for job in jobs)
 
     def held(self) -> list[ClaimedJob]:
-        with self._cond:
+        with self._lock:
             return list(self._held.values())
 
     def holds(self, job: ClaimedJob) -> bool:
-        """Whether ``job`` is still ours: claimed, and neither written nor taken from us."""
-        with self._cond:
-            return self._held.get(job.id) is job
+        """Whether ``job`` is still ours: claimed, and neither written nor taken from us.
+        One dict look-up, atomic on its own: the lock would add nothing to it."""
+        return self._held.get(job.id) is job
 
     @property
     def last_failure(self) -> float:
@@ -151,15 +159,24 @@ class Completer(threading.Thread):
 
     def track(self, job: ClaimedJob, ctx: JobContext, *, timed: bool = True) -> None:
         """Keep the job's lease alive from now on; with ``timed``, its timeout starts now."""
-        with self._cond:
+        with self._lock:
             now = time.monotonic()
             deadline = now + job.timeout if timed and job.timeout is not None else math.inf
             self._running[job.id] = _Running(job, ctx, now, deadline)
-            self._cond.notify()
+            # Under load the wait ends no later than this job's first heartbeat: another
+            # job's lease, extended no later than now, is due first.
+            if self._wakes_at is not None and min(now + self.beat, deadline) < self._wakes_at:
+                self._notify()
 
     def untrack(self, job: ClaimedJob) -> None:
-        with self._cond:
+        with self._lock:
             self._stop_tracking(job)
+
+    def _notify(self) -> None:
+        """Wake this thread if it waits and was not woken yet (called holding the lock)."""
+        if self._wakes_at is not None:
+            self._wakes_at = None
+            self._cond.notify()
 
     def _stop_tracking(self, job: ClaimedJob) -> None:
         """Forget this claim's heartbeat (with the lock held): only if the entry is still this
@@ -177,11 +194,11 @@ class Completer(threading.Thread):
             del self._held[job.id]
 
     def record(self, outcome: Outcome) -> None:
-        with self._cond:
+        with self._lock:
             if not self._pending:
                 self._pending_since = time.monotonic()
             self._pending.append(outcome)
-            self._cond.notify()
+            self._notify()
 
     # -- called by the producer ----------------------------------------------------------
 
@@ -191,17 +208,17 @@ class Completer(threading.Thread):
         the ``guarded`` queues; once it does not, they are written."""
         if not self.with_claims:
             return  # completions never wait: nothing to tell
-        with self._cond:
+        with self._lock:
             if riding != self._riding or guarded != self._guarded:
                 self._riding, self._guarded = riding, guarded
-                self._cond.notify()
+                self._notify()
 
     def take_completions(self) -> list[Outcome]:
         """The completions waiting to be written, now the producer's to write (none unless
         completions ride with claims)."""
         if not self.with_claims:
             return []
-        with self._cond:
+        with self._lock:
             taken = [o for o in self._pending if o.action == COMPLETE and o.rides]
             if taken:
                 self._pending = [o for o in self._pending if not (o.action == COMPLETE and o.rides)]
@@ -211,9 +228,9 @@ class Completer(threading.Thread):
         """The producer wrote ``group`` (from ``take_completions()``); ``done``: the ids its
         fence let through. They are counted, logged, announced (``job_finished``) and
         forgotten on this thread, as its own writes are, off the producer's path."""
-        with self._cond:
+        with self._lock:
             self._written.append((group, done))
-            self._cond.notify()
+            self._notify()
 
     def give_back(self, group: list[Outcome], *, rides: bool) -> None:
         """The producer's statement failed, so nothing of ``group`` was written: it is this
@@ -223,9 +240,9 @@ class Completer(threading.Thread):
         if not rides:
             for outcome in group:
                 outcome.rides = False
-        with self._cond:
+        with self._lock:
             self._put_back(group)
-            self._cond.notify()
+            self._notify()
 
     def _put_back(self, outcomes: list[Outcome]) -> None:
         """Put outcomes before the pending ones (called holding the lock)."""
@@ -237,9 +254,9 @@ class Completer(threading.Thread):
 
     def close(self, timeout: float) -> None:
         """Write what is pending (retrying for up to ``timeout`` s), then stop."""
-        with self._cond:
+        with self._lock:
             self._closing = True
-            self._cond.notify()
+            self._notify()
         self.join(timeout)
         if self.is_alive():
             self._give_up.set()
@@ -251,19 +268,23 @@ class Completer(threading.Thread):
         backoff = Backoff("completer")
         try:
             while True:
-                with self._cond:
+                with self._lock:
                     while not (
                         self._written or self._writable() or self._closing or self._due() <= 0
                     ):
                         wait = self._wait()
-                        self._cond.wait(None if wait == math.inf else wait)
+                        self._wakes_at = time.monotonic() + wait
+                        try:
+                            self._cond.wait(None if wait == math.inf else wait)
+                        finally:
+                            self._wakes_at = None
                     late = self._time_out()
                     closing = self._closing
                 written = self._count_written()
                 # The failures are built here, without the lock: the job's retry policy (a
                 # backoff callable: user code) decides them.
                 failures = [timed_out(r.job, r.job.timeout or 0.0) for r in late if r.ours]
-                with self._cond:
+                with self._lock:
                     self._pending.extend(failures)
                     # Completions still waiting for the producer's claim stay.
                     batch: list[Outcome] = []
@@ -307,7 +328,7 @@ class Completer(threading.Thread):
                     # A fresh direct connection at the next try (a read-only or restarted
                     # server leaves the old one open but useless).
                     self.store.close()
-                    with self._cond:
+                    with self._lock:
                         self._put_back(batch)
                     if self._give_up.is_set():
                         self._abandon()
@@ -332,7 +353,7 @@ class Completer(threading.Thread):
     def _count_written(self) -> bool:
         """Count, log and announce what the producer's claims wrote (``completed()``), and
         forget those jobs; whether there was any."""
-        with self._cond:
+        with self._lock:
             written, self._written = self._written, []
         for group, done in written:
             self._finished(group, dict.fromkeys(done, "done"))
@@ -491,13 +512,13 @@ class Completer(threading.Thread):
             self.on_retry()
 
     def _forget(self, group: list[Outcome]) -> None:
-        with self._cond:
+        with self._lock:
             for o in group:
                 self._release_hold(o.job)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        with self._cond:
+        with self._lock:
             due = [r for r in self._running.values() if r.ours and now - r.extended_at >= self.beat]
         if not due:
             return
@@ -513,14 +534,14 @@ class Completer(threading.Thread):
                 running.ctx.mark_cancelled()
             else:
                 running.ctx.mark_lost()
-            with self._cond:
+            with self._lock:
                 running.ours = False
                 if running.deadline == math.inf:
                     self._stop_tracking(running.job)
                 self._release_hold(running.job)
 
     def _abandon(self) -> None:
-        with self._cond:
+        with self._lock:
             pending, self._pending = self._pending, []
         if pending:
             logger.error(
