@@ -728,7 +728,16 @@ class Worker:
                 # Its queues were passed over while the pool was full.
                 self._freed = True
             self._busy[pool] -= 1
-        self._wake.set()
+        self._slot_freed()
+
+    def _slot_freed(self) -> None:
+        """Wake the producer for a freed slot. Event.set() is Python and takes the Event's
+        lock; a batch's jobs finish together, and the first of them wakes the producer. Left
+        set, the flag needs no setting again: the producer clears it before it looks at the
+        slots, so a flag seen set here is cleared after this slot was freed, and that look
+        sees the slot."""
+        if not self._wake.is_set():
+            self._wake.set()
 
     def _async_done(self, job: Any) -> None:
         """An async job's task ended (called on the loop's thread)."""
@@ -745,7 +754,7 @@ class Worker:
                 if self._busy[pool] == self._slots[pool]:
                     self._freed = True
                 self._busy[pool] -= 1
-        self._wake.set()
+        self._slot_freed()
 
     def _hand_out(self, *items: Any) -> None:
         loop = self._loop
