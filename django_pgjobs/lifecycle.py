@@ -158,10 +158,15 @@ def fences(jobs: Iterable[Claim]) -> dict[str, list[Any]]:
     }
 
 
+# The payload's decoder: jsonb's text is one JSON value with no whitespace around it, so the
+# scan alone reads it (json.loads() adds two Python calls and two regex matches around it).
+_read_json = json.JSONDecoder().raw_decode
+
+
 def _payload(text: str) -> tuple[dict[str, Any], str | None]:
     """The claimed row's payload, decoded once; a non-object is reported, never raised."""
     try:
-        value = json.loads(text)
+        value, _ = _read_json(text)
     except (ValueError, RecursionError) as exc:
         # jsonb holds what Python will not read back: an integer past Python's digit limit
         # for conversions, or nesting deeper than its recursion limit.
