@@ -144,6 +144,10 @@ class Completer(threading.Thread):
         with self._lock:
             return list(self._held.values())
 
+    def holds_any(self) -> bool:
+        """Whether any job is held (the producer asks before each claim: is it busy?)."""
+        return bool(self._held)
+
     def holds(self, job: ClaimedJob) -> bool:
         """Whether ``job`` is still ours: claimed, and neither written nor taken from us.
         One dict look-up, atomic on its own: the lock would add nothing to it."""

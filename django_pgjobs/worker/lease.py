@@ -66,7 +66,7 @@ class LeaseMode:
         suspects, comes in the same statement (``sql.CLAIM_IDLE``). The guarded claim does
         the same in two statements: one job first, then the rest.
         """
-        if self.completer.held():
+        if self.completer.holds_any():
             return self._claim(queue_name, wanted, suspects=False, guarded=guarded, tasks=tasks)
         self.skipped.discard(queue_name)
         if not guarded and wanted > 1:
@@ -166,7 +166,7 @@ class LeaseMode:
     def passed_over(self) -> bool:
         """Whether a claim made while busy left suspects out, and the worker is idle now: the
         next claim may take them (a burst must make it before it ends)."""
-        return bool(self.skipped) and not self.completer.held()
+        return bool(self.skipped) and not self.completer.holds_any()
 
     def isolating(self) -> bool:
         """Whether a suspect runs alone (the producer claims nothing then): until its outcome
