@@ -89,6 +89,18 @@ class DirectConnections:
             self._local.conn = conn
         return conn
 
+    def cursor(self) -> psycopg.Cursor[Any]:
+        """The calling thread's one cursor on its connection (``get()``), for every statement.
+
+        ``connection.execute()`` builds a cursor, and a map of its adapters, per statement:
+        a quarter of the client's CPU for a small statement (23 of 90 µs, ``timeit``). A
+        statement's rows must be read before the next one runs, as ``sql.run()`` does."""
+        conn = self.get()
+        cursor: psycopg.Cursor[Any] | None = getattr(self._local, "cursor", None)
+        if cursor is None or cursor.connection is not conn or cursor.closed:
+            cursor = self._local.cursor = conn.cursor()
+        return cursor
+
     def close(self) -> None:
         """Close the calling thread's connection."""
         conn = getattr(self._local, "conn", None)

@@ -202,6 +202,8 @@ def claim(
     """
     params = _claim_params(queue, limit, lease, worker_id, synchronous_commit, suspects, tasks)
     if guarded:
+        if isinstance(connection, psycopg.Cursor):
+            connection = connection.connection
         block = (
             connection.transaction()
             if isinstance(connection, psycopg.Connection)

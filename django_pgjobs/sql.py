@@ -774,8 +774,9 @@ SELECT set_config('pgjobs.test_clock', ("""
 )
 
 
-# A Django connection, or one of a worker's own psycopg connections (worker.db.Direct).
-Connection: TypeAlias = "BaseDatabaseWrapper | psycopg.Connection[Any]"
+# A Django connection, a psycopg connection, or the cursor a worker runs its statements on
+# (connections.DirectConnections.cursor()).
+Connection: TypeAlias = "BaseDatabaseWrapper | psycopg.Connection[Any] | psycopg.Cursor[Any]"
 
 
 # The claim sizes limited() writes in: up to WRITTEN_LIMITS for CLAIM and CLAIM_IDLE, up to
@@ -821,7 +822,7 @@ def run(
     connection: Connection, statement: LiteralString, params: Mapping[str, Any]
 ) -> list[tuple[Any, ...]]:
     """Execute one statement; return its rows (none for a statement without a result)."""
-    if isinstance(connection, psycopg.Connection):
+    if isinstance(connection, (psycopg.Connection, psycopg.Cursor)):
         try:
             result = connection.execute(statement, params)
         except (InvalidSqlStatementName, DuplicatePreparedStatement, ProtocolViolation) as exc:

@@ -15,6 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from psycopg import sql as pgsql
 
+from django_pgjobs import sql
 from django_pgjobs.connections import DirectConnections
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.models import Job
@@ -103,6 +104,26 @@ def test_a_broken_connection_is_replaced_on_the_next_get(direct: DirectConnectio
     jobs = claim(direct)
     assert len(jobs) == 1
     assert direct.get() is not first
+
+
+def test_a_threads_statements_share_one_cursor_that_an_error_does_not_spoil(
+    direct: DirectConnections,
+) -> None:
+    keyed = Job.objects.enqueue(noop, {"n": 1}, lock_key="k")
+    plain = noop.enqueue(n=2)
+    cursor = direct.cursor()
+    jobs = claim(direct)
+    assert [job.id for job in jobs] == [plain.id]
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        sql.run(direct.cursor(), "SELECT 1 / 0", {})
+    # The guarded claim runs its transaction on the cursor's connection.
+    guarded = store(direct).claim("default", 5, timedelta(seconds=60), "test:1", guarded=True)
+    assert [job.id for job in guarded] == [keyed.id]
+    assert store(direct).complete(jobs + guarded, {}) == {plain.id, keyed.id}
+    assert direct.cursor() is cursor
+    assert {job_row(job.id)["status"] for job in (keyed, plain)} == {"done"}
+    direct.close()
+    assert direct.cursor() is not cursor
 
 
 def test_a_lost_prepared_statement_names_the_setting(direct: DirectConnections) -> None:

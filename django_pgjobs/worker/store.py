@@ -43,7 +43,7 @@ class Store:
     def _connection(self) -> tuple[sql.Connection, str | None]:
         """This thread's connection, and the commit setting its statements may use."""
         if self.direct is not None:
-            return self.direct.get(), self.synchronous_commit
+            return self.direct.cursor(), self.synchronous_commit
         connection = connections[self.alias]
         # Inside atomic() (transaction mode) the caller's transaction keeps its durability.
         mine = connection.get_autocommit() and not connection.in_atomic_block
