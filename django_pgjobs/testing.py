@@ -273,7 +273,7 @@ def _run(store: Store, job: ClaimedJob) -> JobOutcome:
         status = record(store, outcome)
         if status is None and store.cancelled_among([job]):
             status = "cancelled"
-        finished([(outcome, status)], stats=WorkerStats(), worker_id=WORKER_ID)
+        finished(outcome, status, stats=WorkerStats(), worker_id=WORKER_ID)
         name = result_of(outcome, status)
     return JobOutcome(
         job.id, job.task, job.queue, job.attempts, name, outcome.failure, outcome.result

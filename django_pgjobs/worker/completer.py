@@ -504,12 +504,14 @@ class Completer(threading.Thread):
                 )
                 cancelled = set()
             statuses = statuses | dict.fromkeys(cancelled, "cancelled")
-        finished(
-            ((o, statuses.get(o.job.id)) for o in group),
-            stats=self.stats,
-            worker_id=self.worker_id,
-            metrics=self.metrics,
-        )
+        for o in group:
+            finished(
+                o,
+                statuses.get(o.job.id),
+                stats=self.stats,
+                worker_id=self.worker_id,
+                metrics=self.metrics,
+            )
         if self.on_retry is not None and "queued" in statuses.values():
             self.on_retry()
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -79,16 +77,10 @@ class WorkerStats:
         return self.done + self.retried + self.failed + self.snoozed + self.lost + self.cancelled
 
     def add(self, name: str, count: int = 1) -> None:
-        self.add_all({name: count})
-
-    def add_all(self, counts: Mapping[str, int]) -> None:
-        """Add to several counters at once (one lock for a batch of outcomes)."""
-        unknown = counts.keys() - _COUNTER_NAMES
-        if unknown:
-            raise ValueError(f"no counter {', '.join(map(repr, sorted(unknown)))}")
+        if name not in _COUNTER_NAMES:
+            raise ValueError(f"no counter {name!r}")
         with self._lock:
-            for name, count in counts.items():
-                setattr(self, name, getattr(self, name) + count)
+            setattr(self, name, getattr(self, name) + count)
 
     def summary(self) -> str:
         # Snoozes and abandoned executors are named only when there were some.
@@ -128,20 +120,18 @@ def result_of(outcome: Outcome, status: str | None) -> str:
 
 
 def finished(
-    written: Iterable[tuple[Outcome, str | None]],
+    outcome: Outcome,
+    status: str | None,
     *,
     stats: WorkerStats,
     worker_id: str,
     metrics: WorkerMetrics | None = None,
 ) -> None:
-    """Count, log and announce jobs whose outcomes were written, each with the status the
-    write left it in (None: fenced out). A batch is counted in one go."""
-    results = [(outcome, result_of(outcome, status)) for outcome, status in written]
-    counts: Counter[str] = Counter(COUNTERS[result] for _, result in results)
-    stats.add_all(counts)
-    for outcome, result in results:
-        log_outcome(outcome, result, worker_id)
-        announce(outcome, result, metrics)
+    """Count, log and announce a job whose outcome was written (``status`` None: fenced out)."""
+    result = result_of(outcome, status)
+    stats.add(COUNTERS[result])
+    log_outcome(outcome, result, worker_id)
+    announce(outcome, result, metrics)
 
 
 def announce(outcome: Outcome, result: str, metrics: WorkerMetrics | None) -> None:

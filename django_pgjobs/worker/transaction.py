@@ -127,8 +127,6 @@ class TransactionMode:
             return
         finally:
             ticket.claimed.set()
-        finished(
-            [(outcome, status)], stats=self.stats, worker_id=self.worker_id, metrics=self.metrics
-        )
+        finished(outcome, status, stats=self.stats, worker_id=self.worker_id, metrics=self.metrics)
         if status == "queued" and self.on_retry is not None:
             self.on_retry()
