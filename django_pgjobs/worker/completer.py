@@ -105,9 +105,11 @@ class Completer(threading.Thread):
         self.worker_id = worker_id
         # Fed with each outcome written (None: runjobs serves no metrics).
         self.metrics = metrics
-        # Taken as the plain lock (its context manager is C; the Condition's is Python, and
-        # the executors take it four times a job); the Condition over it is only for the wait.
-        self._lock = threading.Lock()
+        # Taken as the lock itself (its context manager is C; the Condition's is Python, and
+        # the executors take it three times a job); the Condition over it is only for the
+        # wait. Reentrant: a second SIGTERM's handler reads held() on the producer's thread,
+        # which may be inside one of the producer's calls here, holding it.
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         # While this thread waits on the Condition, the monotonic time its wait ends (written
         # holding the lock; None otherwise, or once notified): only a waiting thread needs
