@@ -412,3 +412,72 @@ def test_an_idle_listener_sleeps_until_stopped() -> None:
         listener.stop()
         listener.join(60)
     assert not listener.is_alive()
+
+
+def test_a_thread_connected_before_counting_began_still_has_its_connection_noted() -> None:
+    """``queue_connection()`` takes "never opened" for "not open" only on an executor thread,
+    whose every connection is counted. Elsewhere (``testing.run_jobs`` on a thread that
+    connected before the worker's modules were imported) it looks the connection up, so an
+    outage that breaks it is still told by it."""
+    from django.db import connections
+    from django.db.backends.signals import connection_created
+
+    from django_pgjobs.worker import db
+
+    seen: dict[str, object] = {}
+
+    def uncounted_then_counted() -> None:
+        connection_created.disconnect(db._count_opened)
+        try:
+            connections["default"].ensure_connection()
+        finally:
+            connection_created.connect(db._count_opened)
+        try:
+            seen["before"] = db.queue_connection("default").connection
+            seen["actual"] = connections["default"].connection
+            connections["default"].close()
+            # From here on, as on an executor thread: no look-up while nothing is open...
+            db.count_from_start()
+            seen["closed"] = db.queue_connection("default").connection
+            # ...and the connection opened next is counted, then found.
+            connections["default"].ensure_connection()
+            seen["counted"] = db.queue_connection("default").connection
+            seen["reopened"] = connections["default"].connection
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=uncounted_then_counted)
+    thread.start()
+    thread.join()
+    assert seen["actual"] is not None
+    assert seen["before"] is seen["actual"]
+    assert seen["closed"] is None
+    assert seen["reopened"] is not None
+    assert seen["counted"] is seen["reopened"]
+
+
+def test_a_second_signal_ends_the_leases_while_the_producer_holds_the_completers_lock() -> None:
+    """A second SIGTERM's handler runs on the producer's thread, which may be inside one of
+    its calls to the completer, holding its lock; the handler reads the held jobs all the
+    same and ends their leases (a lock that is not reentrant would hang it for ever)."""
+    from django_pgjobs.worker.worker import Worker
+
+    created = noop.enqueue(n=1)
+    (claimed,) = Job.objects.claim(limit=1, lease=timedelta(minutes=5))
+    store = Store("default", direct=False, synchronous_commit=None, prepare=False)
+    completer = Completer(store, timedelta(minutes=5), WorkerStats(), "test:1")
+    completer.hold([claimed])
+    worker = Worker(["default"], concurrency=1, burst=True)
+    worker._completer = completer
+    ended: list[int] = []
+
+    def interrupted_producer() -> None:
+        with completer._lock:
+            ended.append(worker._expire_held())
+
+    thread = threading.Thread(target=interrupted_producer, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the handler hung on the completer's lock"
+    assert ended == [1]
+    assert job_row(created.id)["locked_until"] <= query("SELECT now()")[0][0]

@@ -86,14 +86,32 @@ class QueueConnection(NamedTuple):
     opened: int
 
 
+def count_from_start() -> None:
+    """Called first thing on an executor thread: every connection it opens is counted (the
+    counting receiver is registered before any executor starts), so ``queue_connection()``
+    may take "never opened" for "not open" there."""
+    _opened.from_start = True
+
+
 def queue_connection(alias: str) -> QueueConnection:
+    """This thread's connection to the queue's alias as a job starts, and how many it opened.
+
+    On an executor thread that never connected to the alias, the connection is None without
+    a look-up on asgiref's ``Local`` (2 to 3 µs, before every job that leaves the database
+    alone). One connection escapes the count: one whose set-up failed after it was opened
+    (Django sends ``connection_created`` last), in a job that swallowed the error. A later
+    job's outage is then still told by the connection found broken after the error
+    (``queue_database_away()`` looks it up), but a replacement of it is not counted as one."""
     counts: Counter[str] | None = getattr(_opened, "counts", None)
-    opened = counts[alias] if counts else 0
-    if not opened:
-        # This thread never connected to the alias, so its connection is None: no look-up
-        # on asgiref's Local (2 to 3 µs, before every job that leaves the database alone).
+    if not (counts and counts[alias]) and getattr(_opened, "from_start", False):
         return QueueConnection(None, 0)
-    return QueueConnection(connections[alias].connection, opened)
+    return _queue_connection_now(alias)
+
+
+def _queue_connection_now(alias: str) -> QueueConnection:
+    """``queue_connection()`` with the look-up: what the connection is after an error."""
+    counts: Counter[str] | None = getattr(_opened, "counts", None)
+    return QueueConnection(connections[alias].connection, counts[alias] if counts else 0)
 
 
 def queue_database_away(exc: BaseException, alias: str, before: QueueConnection) -> bool:
@@ -109,7 +127,7 @@ def queue_database_away(exc: BaseException, alias: str, before: QueueConnection)
     """
     if not unavailable(exc):
         return False
-    now = queue_connection(alias)
+    now = _queue_connection_now(alias)
     # A connection the job started with, or opened, was lost and replaced meanwhile.
     replaced = now.opened - before.opened >= (1 if before.connection is not None else 2)
     if replaced or (now.connection is not None and now.connection.broken):

@@ -30,6 +30,7 @@ from django_pgjobs.registry import JobFunction
 from django_pgjobs.worker.db import (
     async_database_away,
     async_replaced,
+    count_from_start,
     queue_connection,
     queue_database_away,
     unavailable,
@@ -349,6 +350,7 @@ class Executor(threading.Thread):
         return self._abandoned
 
     def run(self) -> None:
+        count_from_start()
         try:
             while (item := self.handoff.get()) is not None:
                 with self._lock:
