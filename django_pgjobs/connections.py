@@ -104,6 +104,7 @@ class DirectConnections:
     def close(self) -> None:
         """Close the calling thread's connection."""
         conn = getattr(self._local, "conn", None)
+        self._local.cursor = None
         if conn is not None:
             self._local.conn = None
             conn.close()
