@@ -1,5 +1,5 @@
 """How many instructions the worker executes per no-op job: W1 in one process, counted by
-valgrind, which a busy neighbour on a shared machine does not disturb.
+valgrind, which a busy neighbour on a shared machine disturbs far less than the timings.
 
 Not part of ``benchmarks.run``: a diagnostic to run by hand, in each tree to compare, against
 a scratch database that has the schema (``manage.py migrate``; its jobs table is emptied)::
@@ -11,13 +11,12 @@ Each round runs this module twice under ``valgrind --tool=cachegrind --cache-sim
 enqueueing N no-op jobs and draining them with an in-process ``Worker(burst=True,
 concurrency=8)``, once enqueueing them only. The difference over N is the worker's
 instructions per job, its start-up and shut-down spread over the N jobs (compare counts of
-the same N). Timings are CPU seconds that another
-process on the same cores stretches by a third from one run to the next; repeated counts of
-one tree agree within about 1% on a quiet machine (within 5% with the test suite running
-beside them: how the jobs fall into claims still depends on timing). It counts
-instructions, not cycles: a change that saves instructions but stalls more (locks, cache
-misses, waits) is for the timed W1 to judge. Valgrind runs the threads one at a time, so the
-claims' batch sizes differ from a real run.
+the same N). Timings are CPU seconds that another process on the same cores stretches by a
+third from one run to the next; repeated counts of one tree agree within about 1.5% on a
+quiet machine, and within 5% with the test suite running beside them (how the jobs fall into
+claims still depends on timing). It counts instructions, not cycles: a change that saves
+instructions but stalls more (locks, cache misses, waits) is for the timed W1 to judge.
+Valgrind runs the threads one at a time, so the claims' batch sizes differ from a real run.
 """
 
 from __future__ import annotations
