@@ -32,6 +32,7 @@ from benchmarks.db import BenchAbort, recreate
 from benchmarks.sizes import Sizes
 
 HERE = Path(__file__).resolve().parent
+LOCKS = HERE / "locks"
 VENVS = HERE.parent / ".peers"  # git-ignored
 DB_PREFIX = "pgjobs_peer_"
 INSTALL_TIMEOUT = 900.0  # seconds for one pip install
@@ -44,27 +45,45 @@ class PeerRunInvalid(BenchAbort):
 
 @dataclass(frozen=True)
 class PeerSpec:
-    """One peer: its driver, the pinned packages of its virtualenv, the Python it needs."""
+    """One peer: its driver, the pinned packages of its virtualenv, the Python it needs.
+
+    ``lock`` names a file in ``locks/`` that pins every package the venv holds, the
+    requirements' own dependencies included (pydantic, anyio, uvloop...): a peer's pace
+    depends on them, and a venv built on another day must hold the same code.
+    """
 
     name: str
     driver: str
     requirements: tuple[str, ...]
+    lock: str
     min_python: tuple[int, int] = (3, 10)
     # Installed instead, with the plain ``python3``, when no Python >= min_python is found.
     fallback: tuple[str, ...] = ()
+    fallback_lock: str = ""
     has_bulk: bool = True
 
 
 PSYCOPG = "psycopg[binary]==3.3.9"
 SPECS: tuple[PeerSpec, ...] = (
-    PeerSpec("pgqueuer", "pgqueuer_driver.py", ("pgqueuer[asyncpg]==1.6.0", "asyncpg==0.32.0")),
-    PeerSpec("procrastinate", "procrastinate_driver.py", ("procrastinate==3.10.0", PSYCOPG)),
+    PeerSpec(
+        "pgqueuer",
+        "pgqueuer_driver.py",
+        ("pgqueuer[asyncpg]==1.6.0", "asyncpg==0.32.0"),
+        lock="pgqueuer.txt",
+    ),
+    PeerSpec(
+        "procrastinate",
+        "procrastinate_driver.py",
+        ("procrastinate==3.10.0", PSYCOPG),
+        lock="procrastinate.txt",
+    ),
     # Django 6.0 has the tasks framework built in (it needs Python 3.12); on an older Python
     # the backend runs on Django 5.2 with the django-tasks backport (its ``compat`` extra).
     PeerSpec(
         "django-tasks-db",
         "djtasks_driver.py",
         ("django-tasks-db==0.13.0", "Django==6.0.10", PSYCOPG),
+        lock="django-tasks-db.txt",
         min_python=(3, 12),
         fallback=(
             "django-tasks-db[compat]==0.13.0",
@@ -72,6 +91,7 @@ SPECS: tuple[PeerSpec, ...] = (
             "django-tasks==0.12.0",
             PSYCOPG,
         ),
+        fallback_lock="django-tasks-db-compat.txt",
         has_bulk=False,
     ),
 )
@@ -165,11 +185,11 @@ class Peers:
         return list(self.ready)
 
     def _prepare_one(self, spec: PeerSpec) -> _Ready:
-        python_exe, requirements = self._interpreter(spec)
+        python_exe, requirements, lock = self._interpreter(spec)
         venv = VENVS / spec.name
         python = venv / "bin" / "python"
         marker = venv / "bench-requirements.txt"
-        wanted = "\n".join([f"# {python_exe}", *requirements]) + "\n"
+        wanted = "\n".join([f"# {python_exe}", *requirements, lock.read_text()]) + "\n"
         reuse = (
             marker.exists()
             and marker.read_text() == wanted
@@ -192,6 +212,8 @@ class Peers:
                     "install",
                     "--quiet",
                     "--disable-pip-version-check",
+                    "--constraint",
+                    str(lock),
                     *requirements,
                 ],
                 "pip install",
@@ -203,7 +225,7 @@ class Peers:
         self._drive(ready, "setup")
         return ready
 
-    def _interpreter(self, spec: PeerSpec) -> tuple[str, tuple[str, ...]]:
+    def _interpreter(self, spec: PeerSpec) -> tuple[str, tuple[str, ...], Path]:
         if self._pythons is None:
             self._pythons = _pythons()
         if not self._pythons:
@@ -212,9 +234,10 @@ class Peers:
         if fits:
             # python3 if it fits (it is listed first), else the oldest version that fits.
             first = self._pythons[0]
-            return (first[1] if first in fits else min(fits)[1]), spec.requirements
+            exe = first[1] if first in fits else min(fits)[1]
+            return exe, spec.requirements, LOCKS / spec.lock
         if spec.fallback:
-            return self._pythons[0][1], spec.fallback
+            return self._pythons[0][1], spec.fallback, LOCKS / spec.fallback_lock
         raise BenchAbort(f"needs Python >= {'.'.join(map(str, spec.min_python))}")
 
     def _check_call(self, command: list[str], what: str) -> None:
