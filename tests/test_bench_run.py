@@ -1,17 +1,20 @@
 """The benchmark's own parts: ``BENCH_PEERS`` picks the peers of a run (all, some by name, or
 none; a name that is no peer's stops the run before anything starts instead of quietly
-leaving the peer out), each peer's lock pins its whole venv, and the combined-statement probe
-drains a queue correctly."""
+leaving the peer out), each peer's lock pins its requirements and a venv that holds anything
+else is refused, and the combined-statement probe drains a queue correctly."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from benchmarks.peers import LOCKS, NAMES, SPECS
+from benchmarks.db import BenchAbort
+from benchmarks.peers import LOCKS, NAMES, SPECS, _check_locked, pins
 from benchmarks.run import requested_peers
 from django_pgjobs.connections import connection_params
 from django_pgjobs.models import Job
@@ -41,28 +44,50 @@ def test_an_unknown_name_is_refused_with_the_known_ones() -> None:
     assert all(name in message for name in NAMES)
 
 
-def _pins(lock: Path) -> dict[str, str]:
-    pins: dict[str, str] = {}
-    for line in lock.read_text().splitlines():
-        if line and not line.startswith("#"):
-            pinned = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line)
-            assert pinned, f"{lock.name}: {line!r} is not name==version"
-            pins[pinned[1].lower().replace("_", "-")] = pinned[2]
-    return pins
-
-
 @pytest.mark.parametrize(
     ("requirements", "lock"),
     [(spec.requirements, spec.lock) for spec in SPECS]
     + [(spec.fallback, spec.fallback_lock) for spec in SPECS if spec.fallback],
 )
-def test_a_peers_lock_pins_every_package_at_its_requirements_versions(
+def test_a_peers_lock_pins_its_requirements_at_their_versions(
     requirements: tuple[str, ...], lock: str
 ) -> None:
-    pins = _pins(LOCKS / lock)
+    pinned = pins((LOCKS / lock).read_text())
     for requirement in requirements:
-        name, version = re.fullmatch(r"([\w.-]+)(?:\[[\w,]+\])?==(\S+)", requirement).groups()  # type: ignore[union-attr]
-        assert pins.get(name.lower().replace("_", "-")) == version, (lock, requirement)
+        parsed = re.fullmatch(r"([A-Za-z0-9][\w.-]*)(?:\[[^\]]*\])?==(\S+)", requirement)
+        assert parsed, f"{requirement!r} is not name[extras]==version"
+        name = re.sub(r"[-_.]+", "-", parsed[1]).lower()
+        assert pinned.get(name) == parsed[2], (lock, requirement)
+
+
+def test_a_venv_that_holds_other_versions_than_its_lock_is_refused(tmp_path: Path) -> None:
+    """Checked on this venv's own ``pip freeze``: as locked it passes; a package at another
+    version, or one the lock leaves out, is named."""
+    frozen = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    lines = [line for line in frozen.splitlines() if "==" in line]
+    python = Path(sys.executable)
+    lock = tmp_path / "lock.txt"
+    lock.write_text("# this venv\n" + "\n".join(lines) + "\n")
+    _check_locked(python, lock)
+
+    name, _, version = lines[0].partition("==")
+    lock.write_text("\n".join([f"{name}=={version}.1", *lines[1:]]) + "\n")
+    with pytest.raises(BenchAbort, match=f"{re.escape(name)} {re.escape(version)} \\(lock: "):
+        _check_locked(python, lock)
+
+    lock.write_text("\n".join(lines[1:]) + "\n")
+    with pytest.raises(BenchAbort, match=f"{re.escape(name)} {re.escape(version)} \\(lock: -\\)"):
+        _check_locked(python, lock)
+
+
+def test_a_lock_line_that_is_no_pin_is_refused() -> None:
+    with pytest.raises(BenchAbort, match="not a pin"):
+        pins("pgqueuer>=1.6\n")
 
 
 @pytest.mark.django_db(transaction=True)

@@ -62,6 +62,10 @@ class PeerSpec:
     fallback_lock: str = ""
     has_bulk: bool = True
 
+    def __post_init__(self) -> None:
+        if bool(self.fallback) != bool(self.fallback_lock):
+            raise ValueError(f"peer {self.name}: a fallback needs its own lock, and only then")
+
 
 PSYCOPG = "psycopg[binary]==3.3.9"
 SPECS: tuple[PeerSpec, ...] = (
@@ -70,12 +74,14 @@ SPECS: tuple[PeerSpec, ...] = (
         "pgqueuer_driver.py",
         ("pgqueuer[asyncpg]==1.6.0", "asyncpg==0.32.0"),
         lock="pgqueuer.txt",
+        min_python=(3, 11),  # what its lock pins (python-dateutil 4, typer 0.29) needs
     ),
     PeerSpec(
         "procrastinate",
         "procrastinate_driver.py",
         ("procrastinate==3.10.0", PSYCOPG),
         lock="procrastinate.txt",
+        min_python=(3, 11),  # what its lock pins (python-dateutil 4) needs
     ),
     # Django 6.0 has the tasks framework built in (it needs Python 3.12); on an older Python
     # the backend runs on Django 5.2 with the django-tasks backport (its ``compat`` extra).
@@ -108,6 +114,38 @@ class _Ready:
     python: Path
     url: str
     versions: dict[str, Any] = field(default_factory=dict)
+
+
+def pins(text: str) -> dict[str, str]:
+    """A lock's (or ``pip freeze``'s) ``name==version`` lines, by canonical name."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.strip().partition("==")
+            if not sep:
+                raise BenchAbort(f"not a pin (name==version): {line!r}")
+            found[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return found
+
+
+def _check_locked(python: Path, lock: Path) -> None:
+    """The venv holds exactly what its lock pins: a constraint only bounds what pip installs,
+    so a package the lock misses would otherwise come in at whatever version pip found."""
+    frozen = subprocess.run(
+        [str(python), "-m", "pip", "freeze", "--exclude-editable", "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+        timeout=INSTALL_TIMEOUT,
+        check=True,
+    ).stdout
+    have, want = pins(frozen), pins(lock.read_text())
+    if have != want:
+        differ = sorted(
+            f"{name} {have.get(name, '-')} (lock: {want.get(name, '-')})"
+            for name in have.keys() | want.keys()
+            if have.get(name) != want.get(name)
+        )
+        raise BenchAbort(f"the venv does not hold what {lock.name} pins: {', '.join(differ)}")
 
 
 def database_name(peer: str) -> str:
@@ -201,7 +239,7 @@ class Peers:
             VENVS.mkdir(parents=True, exist_ok=True)
             self._say(
                 f"peer {spec.name}: creating {venv} ({python_exe}) and installing "
-                f"{' '.join(requirements)} ..."
+                f"{' '.join(requirements)} as locked by {lock.name} ..."
             )
             self._check_call([python_exe, "-m", "venv", str(venv)], "python -m venv")
             self._check_call(
@@ -218,6 +256,7 @@ class Peers:
                 ],
                 "pip install",
             )
+            _check_locked(python, lock)
             marker.write_text(wanted)
         url = recreate(self.server_url, database_name(spec.name))
         ready = _Ready(spec=spec, python=python, url=url)
