@@ -507,7 +507,8 @@ class Outlook:
     due: float | None
     # The queues to claim through the guarded claim (a limit, or jobs with lock keys).
     guarded: frozenset[str]
-    # Seconds until a full rate window of one of them has room again, if any is full.
+    # Seconds until the earliest start in the rate window of one of them with ready jobs
+    # leaves it, if any has such a start.
     rate_free: float | None
 
 

@@ -958,8 +958,10 @@ LIMIT %(limit)s
 # A worker's look at its queues after a claim that came back short (instead of waiting for
 # a NOTIFY that may never come): when the earliest deferred job comes due (deferred jobs and
 # retries send none then); which queues claim through CLAIM_GUARDED (a limit set, or ready
-# jobs with a lock key: each an index probe); and when the earliest start within a full rate
-# window leaves it, so that the queue's next claim can succeed.
+# jobs with a lock key: each an index probe); and, for a rate-limited queue with ready jobs,
+# when the earliest start within its window leaves it, so that its next claim can succeed.
+# Full or not: the window the short claim saw may have moved on since, and one start leaving
+# is the next moment a claim can find more room (never sooner, so never a busy loop).
 OUTLOOK: LiteralString = """
 SELECT
   (SELECT extract(epoch FROM min(run_at) - now())::float8 FROM pgjobs_job
@@ -973,9 +975,11 @@ SELECT
                       WHERE queue = q AND status = 'queued' AND lock_key IS NOT NULL)) AS guarded,
   (SELECT extract(epoch FROM min(w.first + q.rate_period - statement_timestamp()))::float8
    FROM pgjobs_queue q,
-        LATERAL (SELECT min(s) AS first, count(*) AS n FROM unnest(q.starts) AS s
+        LATERAL (SELECT min(s) AS first FROM unnest(q.starts) AS s
                  WHERE s > statement_timestamp() - q.rate_period) AS w
-   WHERE q.name = ANY(%(queues)s::text[]) AND w.n >= q.rate_count) AS rate_free
+   WHERE q.name = ANY(%(queues)s::text[]) AND q.rate_count IS NOT NULL
+     AND EXISTS (SELECT FROM pgjobs_job
+                 WHERE queue = q.name AND status = 'queued' AND run_at <= now())) AS rate_free
 """
 
 # -- queue control: an operator's pause and limits, one row per queue in pgjobs_queue. Each

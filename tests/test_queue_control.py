@@ -21,7 +21,7 @@ import pytest
 from django.db import connection, transaction
 
 import django_pgjobs
-from django_pgjobs import sql
+from django_pgjobs import lifecycle, sql
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job, QueueState
 from django_pgjobs.worker import Worker
@@ -310,6 +310,30 @@ def test_a_rate_limit_holds_in_every_window(workers: Workers) -> None:
     assert max(windows) <= 50
     # 200 starts at 50 per second: the 151st is 3 s after the first at the earliest.
     assert starts[150] - starts[0] >= 3.0
+
+
+def test_a_short_claim_whose_rate_window_moved_on_before_the_outlook_still_wakes_the_worker() -> (
+    None
+):
+    """A claim comes back short because the window is full; by the outlook that follows it,
+    the window's oldest start may have left (a busy machine, a slow round trip). The worker
+    must still learn when to claim again: when the oldest start still in the window leaves.
+    The outlook used to give a time only for a full window, and the worker then slept until
+    its next tick with ready jobs in the queue (the rate test timed out on a loaded machine)."""
+    Job.objects.set_limits("moved", rate=(3, timedelta(seconds=60)))
+    make_jobs(2, queue="moved")
+    # Two starts of three in the window: one left between the short claim and the look.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_queue SET starts = ARRAY[now() - interval '50 seconds',"
+            " now() - interval '20 seconds'] WHERE name = 'moved'"
+        )
+    seen = lifecycle.outlook(connection, ["moved"])
+    assert seen.rate_free is not None
+    assert 5.0 <= seen.rate_free <= 10.0  # the start of 50 s ago leaves in 10 s
+    # With no ready job there is nothing to wake for: the worker sleeps until its tick.
+    Job.objects.filter(queue="moved").update(status="cancelled")
+    assert lifecycle.outlook(connection, ["moved"]).rate_free is None
 
 
 # -- lock keys ---------------------------------------------------------------------------------

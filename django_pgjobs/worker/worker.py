@@ -557,7 +557,7 @@ class Worker:
 
     def _look(self) -> float | None:
         """Learn which of our queues need the guarded claim; return the monotonic time when
-        a claim may find more (a deferred job comes due, a full rate window has room), if
+        a claim may find more (a deferred job comes due, a start leaves a rate window), if
         any."""
         outlook = self.store.outlook(self.queues)
         self._guarded = outlook.guarded
