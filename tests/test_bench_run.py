@@ -103,3 +103,29 @@ def test_the_combined_probe_completes_each_job_once_either_way(together: bool) -
     assert claimed == 21
     assert status_counts() == {"done": 21}
     assert set(Job.objects.values_list("attempts", flat=True)) == {1}
+
+
+def test_the_statements_diagnostic_knows_the_worker_statements_by_their_normalised_text() -> None:
+    """benchmarks.statements finds the worker's statements in pg_stat_statements by how their
+    normalised text begins (constants and parameters as ``$n``) and a part only they have:
+    each must still match its statement, and no other's, or the breakdown would quietly print
+    zeros or count another statement."""
+    from benchmarks.statements import KINDS
+    from django_pgjobs import sql
+
+    def normalised(statement: str) -> str:
+        text = re.sub(r"%\(\w+\)s|'[^']*'|\b\d+\b", "$1", statement)
+        return re.sub(r"\s+", " ", text).strip()
+
+    statements = {
+        "claim": sql.limited(sql.CLAIM, 8),
+        "idle claim": sql.limited(sql.CLAIM_IDLE, 8),
+        "complete": sql.COMPLETE,
+        "outlook": sql.OUTLOOK,
+    }
+    others = [sql.FAIL, sql.EXTEND_LEASE, sql.RELEASE, sql.CLAIM_GUARDED, sql.REAP, sql.SNOOZE]
+    for kind, start, part in KINDS:
+        text = normalised(statements[kind])
+        assert text.startswith(start) and part in text, kind
+        for other in map(normalised, others):
+            assert not (other.startswith(start) and part in other), (kind, other)
