@@ -507,14 +507,16 @@ class Outlook:
     due: float | None
     # The queues to claim through the guarded claim (a limit, or jobs with lock keys).
     guarded: frozenset[str]
-    # Seconds until the earliest start in the rate window of one of them with ready jobs
-    # leaves it, if any has such a start.
+    # Seconds until a rate window that was full at the short claim has room (0: it has now),
+    # for a queue with ready jobs, if any.
     rate_free: float | None
 
 
-def outlook(connection: sql.Connection, queues: Sequence[str]) -> Outlook:
-    """When to look again, and which of ``queues`` need the guarded claim."""
-    due, guarded, rate_free = sql.run(connection, sql.OUTLOOK, {"queues": list(queues)})[0]
+def outlook(connection: sql.Connection, queues: Sequence[str], since: float = 0.0) -> Outlook:
+    """When to look again, and which of ``queues`` need the guarded claim; ``since``: the
+    seconds since the claim that came back short was sent."""
+    params = {"queues": list(queues), "since": since}
+    due, guarded, rate_free = sql.run(connection, sql.OUTLOOK, params)[0]
     return Outlook(
         None if due is None else max(0.0, float(due)),
         frozenset(guarded),

@@ -958,10 +958,13 @@ LIMIT %(limit)s
 # A worker's look at its queues after a claim that came back short (instead of waiting for
 # a NOTIFY that may never come): when the earliest deferred job comes due (deferred jobs and
 # retries send none then); which queues claim through CLAIM_GUARDED (a limit set, or ready
-# jobs with a lock key: each an index probe); and, for a rate-limited queue with ready jobs,
-# when the earliest start within its window leaves it, so that its next claim can succeed.
-# Full or not: the window the short claim saw may have moved on since, and one start leaving
-# is the next moment a claim can find more room (never sooner, so never a busy loop).
+# jobs with a lock key: each an index probe); and, for a rate-limited queue with ready jobs
+# whose window was full when the short claim ran (`since` seconds ago), when the earliest start
+# of that window leaves it, so that the queue's next claim can succeed. Judged as the claim saw
+# it: a start may have left in between, and then the answer is a moment already past (claim
+# now), where the window as it is now, no longer full, would give none, and the worker would
+# sleep until its next tick with ready jobs queued. A window that was not full did not cut the
+# claim: no wake-up for it.
 OUTLOOK: LiteralString = """
 SELECT
   (SELECT extract(epoch FROM min(run_at) - now())::float8 FROM pgjobs_job
@@ -975,9 +978,10 @@ SELECT
                       WHERE queue = q AND status = 'queued' AND lock_key IS NOT NULL)) AS guarded,
   (SELECT extract(epoch FROM min(w.first + q.rate_period - statement_timestamp()))::float8
    FROM pgjobs_queue q,
-        LATERAL (SELECT min(s) AS first FROM unnest(q.starts) AS s
-                 WHERE s > statement_timestamp() - q.rate_period) AS w
-   WHERE q.name = ANY(%(queues)s::text[]) AND q.rate_count IS NOT NULL
+        LATERAL (SELECT min(s) AS first, count(*) AS n FROM unnest(q.starts) AS s
+                 WHERE s > statement_timestamp() - %(since)s * interval '1 second'
+                                                 - q.rate_period) AS w
+   WHERE q.name = ANY(%(queues)s::text[]) AND w.n >= q.rate_count AND NOT q.paused
      AND EXISTS (SELECT FROM pgjobs_job
                  WHERE queue = q.name AND status = 'queued' AND run_at <= now())) AS rate_free
 """

@@ -312,28 +312,43 @@ def test_a_rate_limit_holds_in_every_window(workers: Workers) -> None:
     assert starts[150] - starts[0] >= 3.0
 
 
+def set_starts(queue: str, *ages: int) -> None:
+    """The queue's rate window holds starts this many seconds old."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pgjobs_queue SET starts = ARRAY(SELECT now() - age * interval '1 second'"
+            " FROM unnest(%s::int[]) AS age) WHERE name = %s",
+            [list(ages), queue],
+        )
+
+
 def test_a_short_claim_whose_rate_window_moved_on_before_the_outlook_still_wakes_the_worker() -> (
     None
 ):
-    """A claim comes back short because the window is full; by the outlook that follows it,
-    the window's oldest start may have left (a busy machine, a slow round trip). The worker
-    must still learn when to claim again: when the oldest start still in the window leaves.
-    The outlook used to give a time only for a full window, and the worker then slept until
-    its next tick with ready jobs in the queue (the rate test timed out on a loaded machine)."""
+    """The claim comes back short because the window is full; by the outlook that follows it
+    (``since`` seconds later), the window's oldest start has left (a busy machine, a slow round
+    trip). The outlook judges the window as the claim saw it: there is room, claim now. It used
+    to judge it as it is at the look, no longer full, and gave no time: the worker slept until
+    its next tick with ready jobs queued (the rate test timed out once on a loaded machine)."""
     Job.objects.set_limits("moved", rate=(3, timedelta(seconds=60)))
     make_jobs(2, queue="moved")
-    # Two starts of three in the window: one left between the short claim and the look.
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE pgjobs_queue SET starts = ARRAY[now() - interval '50 seconds',"
-            " now() - interval '20 seconds'] WHERE name = 'moved'"
-        )
-    seen = lifecycle.outlook(connection, ["moved"])
-    assert seen.rate_free is not None
-    assert 5.0 <= seen.rate_free <= 10.0  # the start of 50 s ago leaves in 10 s
-    # With no ready job there is nothing to wake for: the worker sleeps until its tick.
+    set_starts("moved", 65, 50, 20)  # three in the window 10 s ago; two now
+    assert lifecycle.outlook(connection, ["moved"], since=10.0).rate_free == 0.0
+    # A window still full: the worker wakes when its oldest start leaves, 10 s from now.
+    set_starts("moved", 50, 40, 20)
+    rate_free = lifecycle.outlook(connection, ["moved"], since=0.0).rate_free
+    assert rate_free is not None
+    assert 5.0 <= rate_free <= 10.0
+    # A window that was not full did not cut the claim: nothing to wake for.
+    set_starts("moved", 50, 20)
+    assert lifecycle.outlook(connection, ["moved"], since=0.0).rate_free is None
+    # Nor is there with the queue paused (resume() sends a NOTIFY), or with no ready job.
+    set_starts("moved", 50, 40, 20)
+    Job.objects.pause("moved")
+    assert lifecycle.outlook(connection, ["moved"], since=0.0).rate_free is None
+    Job.objects.resume("moved")
     Job.objects.filter(queue="moved").update(status="cancelled")
-    assert lifecycle.outlook(connection, ["moved"]).rate_free is None
+    assert lifecycle.outlook(connection, ["moved"], since=0.0).rate_free is None
 
 
 # -- lock keys ---------------------------------------------------------------------------------

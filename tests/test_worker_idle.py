@@ -117,8 +117,8 @@ def test_a_notify_that_comes_while_the_producer_looks_up_due_times_is_not_lost()
     second: list[int] = []
 
     class NotifiedMidRound(Worker):
-        def _look(self) -> float | None:
-            due = super()._look()
+        def _look(self, since: float) -> float | None:
+            due = super()._look(since)
             if armed.is_set() and not second:
                 # The claim found fewer jobs than free slots, so the producer asks when the
                 # next deferred job is due (the outlook); meanwhile a job arrives (inserted

@@ -134,8 +134,8 @@ class Store:
     def reap(self) -> list[Reaped]:
         return lifecycle.reap(self._connection()[0], max_crashes=conf.max_crashes())
 
-    def outlook(self, queues: Sequence[str]) -> lifecycle.Outlook:
-        return lifecycle.outlook(self._connection()[0], queues)
+    def outlook(self, queues: Sequence[str], since: float) -> lifecycle.Outlook:
+        return lifecycle.outlook(self._connection()[0], queues, since)
 
     def beat(self, record: Mapping[str, Any]) -> None:
         """Write this worker's registry row (``sql.WORKER_BEAT``), or refresh it."""

@@ -501,6 +501,7 @@ class Worker:
                 got = 0
                 if (maybe_more or self.burst) and free > 0:
                     wanted = min(free, self.batch_size)
+                    sent = time.monotonic()
                     got, maybe_more = self._dispatch(wanted)
                     if got < wanted or look:
                         # Deferred jobs and retries send no NOTIFY when they come due; jobs
@@ -509,7 +510,7 @@ class Worker:
                         # not wait for a lull).
                         look = False
                         guarded = self._guarded
-                        next_due = self._look()
+                        next_due = self._look(time.monotonic() - sent)
                         if self._guarded - guarded:
                             maybe_more = True
                             continue
@@ -555,11 +556,11 @@ class Worker:
             and lease_mode.solo is None
         )
 
-    def _look(self) -> float | None:
+    def _look(self, since: float) -> float | None:
         """Learn which of our queues need the guarded claim; return the monotonic time when
-        a claim may find more (a deferred job comes due, a start leaves a rate window), if
-        any."""
-        outlook = self.store.outlook(self.queues)
+        a claim may find more (a deferred job comes due, a rate window the claim sent
+        ``since`` seconds ago found full has room), if any."""
+        outlook = self.store.outlook(self.queues, since)
         self._guarded = outlook.guarded
         times = [t for t in (outlook.due, outlook.rate_free) if t is not None]
         return time.monotonic() + min(times) if times else None
