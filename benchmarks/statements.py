@@ -55,10 +55,13 @@ def measure(jobs: int) -> list[tuple[str, int, int, float, float]]:
             admin.execute("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
             admin.execute("SELECT pg_reload_conf()")
             admin.execute("SELECT pg_stat_statements_reset()")
+        # The suite's defaults: no peers, and no PGJOBS_* of the caller's (with
+        # COMPLETE_WITH_CLAIM the completions would hide in the claims' statements).
         env = {
             k: v
             for k, v in os.environ.items()
-            if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")
+            if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE", "BENCH_PEERS")
+            and not k.startswith("PGJOBS_")
         }
         env["BENCH_DATABASE_URL"] = server.url
         command = [sys.executable, "-m", "benchmarks.run", "--runs", "1", "--jobs", str(jobs)]
@@ -86,6 +89,9 @@ def main() -> None:
     args = parser.parse_args()
     totals = measure(args.jobs)
     jobs = 2 * args.jobs  # W1 1 x 8 and 2 x 4
+    rows = {kind: taken for kind, _, taken, _, _ in totals}
+    if rows["claim"] + rows["idle claim"] != jobs or rows["complete"] != jobs:
+        raise SystemExit(f"the statements found do not account for {jobs:,} jobs: {rows}")
     print(f"\nW1 1 x 8 and 2 x 4, {jobs:,} jobs in all: the worker's statements")
     print(
         f"{'statement':<12} {'calls':>7} {'rows/call':>9} {'exec µs/job':>11} {'plan µs/job':>11}"

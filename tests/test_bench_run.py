@@ -123,7 +123,15 @@ def test_the_statements_diagnostic_knows_the_worker_statements_by_their_normalis
         "complete": sql.COMPLETE,
         "outlook": sql.OUTLOOK,
     }
-    others = [sql.FAIL, sql.EXTEND_LEASE, sql.RELEASE, sql.CLAIM_GUARDED, sql.REAP, sql.SNOOZE]
+    others = [
+        sql.FAIL,
+        sql.EXTEND_LEASE,
+        sql.RELEASE,
+        sql.CLAIM_GUARDED,
+        sql.CLAIM_COMPLETING,
+        sql.REAP,
+        sql.SNOOZE,
+    ]
     for kind, start, part in KINDS:
         text = normalised(statements[kind])
         assert text.startswith(start) and part in text, kind
