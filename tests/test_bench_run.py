@@ -61,26 +61,36 @@ def test_a_peers_lock_pins_its_requirements_at_their_versions(
 
 
 def test_a_venv_that_holds_other_versions_than_its_lock_is_refused(tmp_path: Path) -> None:
-    """Checked on this venv's own ``pip freeze``: as locked it passes; a package at another
-    version, or one the lock leaves out, is named."""
+    """Checked on this venv's own ``pip freeze`` (where this project may be a ``name @ url``
+    line, installed from its sdist by tox): as locked it passes; a package at another version,
+    or one the lock leaves out, is named."""
     frozen = subprocess.run(
-        [sys.executable, "-m", "pip", "freeze", "--disable-pip-version-check"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "freeze",
+            "--exclude-editable",
+            "--disable-pip-version-check",
+        ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    lines = [line for line in frozen.splitlines() if "==" in line]
+    lines = [line for line in frozen.splitlines() if line.strip() and not line.startswith("#")]
     python = Path(sys.executable)
     lock = tmp_path / "lock.txt"
     lock.write_text("# this venv\n" + "\n".join(lines) + "\n")
     _check_locked(python, lock)
 
-    name, _, version = lines[0].partition("==")
-    lock.write_text("\n".join([f"{name}=={version}.1", *lines[1:]]) + "\n")
+    pinned = next(line for line in lines if "==" in line)
+    rest = [line for line in lines if line != pinned]
+    name, _, version = pinned.partition("==")
+    lock.write_text("\n".join([f"{name}=={version}.1", *rest]) + "\n")
     with pytest.raises(BenchAbort, match=f"{re.escape(name)} {re.escape(version)} \\(lock: "):
         _check_locked(python, lock)
 
-    lock.write_text("\n".join(lines[1:]) + "\n")
+    lock.write_text("\n".join(rest) + "\n")
     with pytest.raises(BenchAbort, match=f"{re.escape(name)} {re.escape(version)} \\(lock: -\\)"):
         _check_locked(python, lock)
 
@@ -88,6 +98,8 @@ def test_a_venv_that_holds_other_versions_than_its_lock_is_refused(tmp_path: Pat
 def test_a_lock_line_that_is_no_pin_is_refused() -> None:
     with pytest.raises(BenchAbort, match="not a pin"):
         pins("pgqueuer>=1.6\n")
+    # What pip freeze writes for a package installed from a file: kept, with its address.
+    assert pins("Foo_Bar @ file:///tmp/foo.tar.gz\n") == {"foo-bar": "@ file:///tmp/foo.tar.gz"}
 
 
 @pytest.mark.django_db(transaction=True)

@@ -117,13 +117,17 @@ class _Ready:
 
 
 def pins(text: str) -> dict[str, str]:
-    """A lock's (or ``pip freeze``'s) ``name==version`` lines, by canonical name."""
+    """A lock's (or ``pip freeze``'s) lines, by canonical name: ``name==version`` gives the
+    version, ``name @ url`` (a package installed from a file or a repository) ``@ url``."""
     found: dict[str, str] = {}
     for line in text.splitlines():
         if line.strip() and not line.startswith("#"):
             name, sep, version = line.strip().partition("==")
             if not sep:
-                raise BenchAbort(f"not a pin (name==version): {line!r}")
+                name, sep, url = line.strip().partition(" @ ")
+                version = f"@ {url}"
+            if not sep:
+                raise BenchAbort(f"not a pin (name==version or name @ url): {line!r}")
             found[re.sub(r"[-_.]+", "-", name).lower()] = version
     return found
 
