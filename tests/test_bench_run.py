@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from benchmarks.db import BenchAbort
-from benchmarks.peers import LOCKS, NAMES, SPECS, _check_locked, pins
+from benchmarks.peers import LOCKS, NAMES, SPECS, _check_locked, canonical, pins
 from benchmarks.run import requested_peers
 from django_pgjobs.connections import connection_params
 from django_pgjobs.models import Job
@@ -56,8 +56,7 @@ def test_a_peers_lock_pins_its_requirements_at_their_versions(
     for requirement in requirements:
         parsed = re.fullmatch(r"([A-Za-z0-9][\w.-]*)(?:\[[^\]]*\])?==(\S+)", requirement)
         assert parsed, f"{requirement!r} is not name[extras]==version"
-        name = re.sub(r"[-_.]+", "-", parsed[1]).lower()
-        assert pinned.get(name) == parsed[2], (lock, requirement)
+        assert pinned.get(canonical(parsed[1])) == parsed[2], (lock, requirement)
 
 
 def test_a_venv_that_holds_other_versions_than_its_lock_is_refused(tmp_path: Path) -> None:

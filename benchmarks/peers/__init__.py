@@ -116,6 +116,11 @@ class _Ready:
     versions: dict[str, Any] = field(default_factory=dict)
 
 
+def canonical(name: str) -> str:
+    """A package's name as pip compares them (PEP 503): ``Foo_Bar.baz`` is ``foo-bar-baz``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def pins(text: str) -> dict[str, str]:
     """A lock's (or ``pip freeze``'s) lines, by canonical name: ``name==version`` gives the
     version, ``name @ url`` (a package installed from a file or a repository) ``@ url``."""
@@ -128,7 +133,7 @@ def pins(text: str) -> dict[str, str]:
                 version = f"@ {url}"
             if not sep:
                 raise BenchAbort(f"not a pin (name==version or name @ url): {line!r}")
-            found[re.sub(r"[-_.]+", "-", name).lower()] = version
+            found[canonical(name)] = version
     return found
 
 
