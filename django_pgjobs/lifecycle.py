@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -69,6 +69,9 @@ class ClaimedJob:
     crashes: int = 0
     # Seconds this attempt may run (None: no limit).
     timeout: float | None = None
+    # Claimed by the guarded claim (its queue has a limit, or it has a lock key): once it no
+    # longer runs, a worker waiting on that limit or key may start the next (``wake_freed``).
+    guarded: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,10 +228,9 @@ def claim(
                 extra={"action": "claim", "queue": queue, "worker_id": worker_id},
             )
             return []
-    else:
-        statement = sql.limited(sql.CLAIM_IDLE if idle else sql.CLAIM, limit)
-        rows = sql.run(connection, statement, params)
-    return _claimed(rows)
+        return _claimed(rows, guarded=True)
+    statement = sql.limited(sql.CLAIM_IDLE if idle else sql.CLAIM, limit)
+    return _claimed(sql.run(connection, statement, params))
 
 
 def claim_completing(
@@ -277,8 +279,9 @@ def _claim_params(
     }
 
 
-def _claimed(rows: list[tuple[Any, ...]]) -> list[ClaimedJob]:
-    """The jobs of a claim's rows (``sql._CLAIM_RETURNING``'s columns)."""
+def _claimed(rows: list[tuple[Any, ...]], *, guarded: bool = False) -> list[ClaimedJob]:
+    """The jobs of a claim's rows (``sql._CLAIM_RETURNING``'s columns), ``guarded`` if the
+    guarded claim took them."""
     jobs = []
     for row in rows:
         job_id, job_queue, task, text, attempts, max_attempts, claimed_at, outages = row[:8]
@@ -298,6 +301,7 @@ def _claimed(rows: list[tuple[Any, ...]]) -> list[ClaimedJob]:
                 scheduled_at=None if row[9] is None else row[9].astimezone(dt_timezone.utc),
                 crashes=row[10],
                 timeout=row[11],
+                guarded=guarded,
             )
         )
     return jobs
@@ -510,6 +514,13 @@ class Outlook:
     # Seconds until a rate window that was full at the short claim has room (0: it has now),
     # for a queue with ready jobs, if any.
     rate_free: float | None
+
+
+def wake_freed(connection: sql.Connection, job_ids: Collection[int], *, channel: str) -> None:
+    """Tell waiting workers, on ``channel``, that these jobs, no longer running, freed a slot
+    of their queue's concurrency limit or their lock key (``sql.WAKE_FREED``)."""
+    if job_ids:
+        sql.run(connection, sql.WAKE_FREED, {"ids": list(job_ids), "channel": channel})
 
 
 def outlook(connection: sql.Connection, queues: Sequence[str], since: float = 0.0) -> Outlook:

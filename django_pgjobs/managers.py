@@ -870,6 +870,10 @@ class JobManager(models.Manager["Job"]):
         rest = [i for i in wanted if i not in done]
         for (job_id,) in sql.run(connection, sql.UNFINISHED, {"ids": rest}) if rest else []:
             rows += sql.run(connection, sql.CANCEL_WAITING, {"ids": [job_id]})
+        # A running job cancelled frees its slot under its queue's limit, or its lock key.
+        lifecycle.wake_freed(
+            connection, [row[0] for row in rows if row[4] == "running"], channel=conf.channel()
+        )
         for job_id, task, queue, attempts, was in rows:
             logger.info(
                 "cancel of job %s %s: %s, now cancelled",

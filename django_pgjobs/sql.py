@@ -986,6 +986,24 @@ SELECT
                  WHERE queue = q.name AND status = 'queued' AND run_at <= now())) AS rate_free
 """
 
+# A job that held a slot under its queue's concurrency limit, or a lock key, left `running`
+# (its outcome was written, or it was cancelled): the next job of its queue may start now. The
+# worker to claim it may be another one, waiting since its claim came back short (a worker's
+# own finished jobs wake it, another's do not), which without word would wait for its next
+# tick. Word goes out as for a new job, a NOTIFY for the queue, delivered on commit: for each
+# queue of these jobs that is not paused, has a ready job, and has a concurrency limit or the
+# job had a key. (The next job of a key in another queue still waits for that queue's workers'
+# next claim: finding it would read every ready keyed job.)
+WAKE_FREED: LiteralString = """
+SELECT pg_notify(%(channel)s, freed.queue)
+FROM (SELECT DISTINCT j.queue FROM pgjobs_job j LEFT JOIN pgjobs_queue q ON q.name = j.queue
+      WHERE j.id = ANY(%(ids)s::bigint[])
+        AND (j.lock_key IS NOT NULL OR q.concurrency IS NOT NULL)
+        AND NOT coalesce(q.paused, false)) AS freed
+WHERE EXISTS (SELECT FROM pgjobs_job
+              WHERE queue = freed.queue AND status = 'queued' AND run_at <= now())
+"""
+
 # -- queue control: an operator's pause and limits, one row per queue in pgjobs_queue. Each
 # write that may let workers claim more sends the NOTIFY a new job would (it is delivered on
 # commit), so waiting workers claim at once rather than at their next poll.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -21,11 +22,13 @@ import pytest
 from django.db import connection, transaction
 
 import django_pgjobs
-from django_pgjobs import lifecycle, sql
+from django_pgjobs import conf, lifecycle, sql
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job, QueueState
 from django_pgjobs.worker import Worker
+from testproject.shop.models import Order
 from tests.helpers import (
+    NOOP,
     PATIENCE,
     job_row,
     make_job,
@@ -34,7 +37,7 @@ from tests.helpers import (
     wait_until,
     worker_record,
 )
-from tests.workers import SLEEP, Workers, query, scalar
+from tests.workers import SLEEP, Process, Workers, query, scalar
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -395,6 +398,133 @@ def test_the_next_job_of_a_key_or_a_limit_starts_as_the_last_outcome_is_written(
         lambda: Job.objects.filter(id__in=[*chain, *single], status="done").count() == 30,
         message="the chain and the queue of one to drain",
     )
+
+
+UNTIL_ORDER = "tests.workers.until_order"
+
+
+def test_a_slot_freed_by_another_workers_job_wakes_a_worker_waiting_on_the_limit(
+    workers: Workers,
+) -> None:
+    # One job at a time in `single`. The first runs on a worker that is stopping, so it will
+    # not claim the second; the other worker's claim came back short (the limit) and its poll
+    # is ten minutes away: only word of the freed slot can start the second job.
+    Job.objects.set_limits("single", concurrency=1)
+    first = Job.objects.enqueue(UNTIL_ORDER, {"email": "first@example.com"}, queue="single").id
+    quiet = ("--poll-interval", "600", "--reap-interval", "600")
+    stopping = workers.start("--queue", "single", *quiet, test_jobs=True)
+    wait_until(lambda: job_row(first)["status"] == "running", message="the first job to start")
+    second = Job.objects.enqueue("testproject.testjobs.noop", {}, queue="single").id
+    waiting = workers.start("--queue", "single", *quiet, test_jobs=True)
+    asleep_after_a_short_claim(waiting)
+    assert job_row(second)["status"] == "queued"
+    stopping.send(signal.SIGTERM)
+    stopping.wait_for_log("signal again to exit now")
+    Order.objects.create(email="first@example.com", total_cents=1)
+    assert stopping.wait() == 0
+    all_done([first, second], message="the second job, on the waiting worker")
+    assert worker_of(second) != worker_of(first)
+
+
+def test_cancelling_a_running_job_of_a_limited_queue_starts_the_next_at_once(
+    workers: Workers,
+) -> None:
+    # The cancelled job's function goes on (a sleep that does not look at its context), and
+    # a heartbeat would tell it only minutes later, with a ten-minute lease; its slot under the
+    # limit is free at the cancel, and the next job starts then, not at the end of the sleep,
+    # the heartbeat or the poll.
+    Job.objects.set_limits("single", concurrency=1)
+    first = Job.objects.enqueue(SLEEP, {"seconds": 600}, queue="single").id
+    second = Job.objects.enqueue("testproject.testjobs.noop", {}, queue="single").id
+    worker = workers.start(
+        "--queue",
+        "single",
+        "--concurrency",
+        "2",
+        "--lease",
+        "600",
+        "--poll-interval",
+        "600",
+        "--reap-interval",
+        "600",
+        test_jobs=True,
+    )
+    wait_until(lambda: job_row(first)["status"] == "running", message="the first job to start")
+    asleep_after_a_short_claim(worker)
+    assert job_row(second)["status"] == "queued"
+    assert Job.objects.cancel(first) == 1
+    all_done([second], message="the next job of the queue after the cancel")
+    assert job_row(first)["status"] == "cancelled"
+
+
+def test_word_of_a_freed_slot_goes_only_to_queues_that_can_use_it() -> None:
+    # Each queue has a job that finished (cancelled here: any end will do) and, but for
+    # `idle`, a ready one behind it.
+    for queue in ("limited", "idle", "stopped"):
+        Job.objects.set_limits(queue, concurrency=1)
+    Job.objects.pause("stopped")
+    finished = [
+        Job.objects.enqueue(NOOP, queue=queue, lock_key=key).id
+        for queue, key in (
+            ("limited", None),
+            ("idle", None),
+            ("stopped", None),
+            ("keyed", "k"),
+            ("plain", None),
+        )
+    ]
+    assert Job.objects.cancel(finished) == len(finished)
+    for queue in ("limited", "stopped", "keyed", "plain"):
+        Job.objects.enqueue(NOOP, queue=queue)
+    Job.objects.enqueue(NOOP, queue="idle", delay=timedelta(hours=1))
+    with raw_connect() as listener:
+        listener.execute(f'LISTEN "{conf.channel()}"')
+        lifecycle.wake_freed(connection, finished, channel=conf.channel())
+        # A marker after it: every word the statement sent arrives before it.
+        listener.execute("SELECT pg_notify(%s, 'marker')", [conf.channel()])
+        heard = []
+        for note in listener.notifies(timeout=PATIENCE):
+            heard.append(note.payload)
+            if note.payload == "marker":
+                break
+    assert sorted(heard[:-1]) == ["keyed", "limited"]
+
+
+# The outlook's opening, which pg_stat_activity keeps (it cuts a statement's text short).
+OUTLOOK_HEAD = "extract(epoch FROM min(run_at) - now())"
+assert OUTLOOK_HEAD in sql.OUTLOOK[:200]
+
+
+def asleep_after_a_short_claim(process: Process, quiet: float = 1.0) -> None:
+    """Wait until the worker's connections (not its LISTEN one) are idle, the latest
+    statement of one of them the outlook that follows a short claim, and none has moved for
+    ``quiet`` s: it is waiting for a NOTIFY or its next tick."""
+    last: list[list[tuple[object, ...]]] = [[]]
+    since = [time.monotonic()]
+
+    def asleep() -> bool:
+        now = query(
+            "SELECT pid, state, state_change, query FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s ORDER BY pid",
+            [process.app_name],
+        )
+        if now != last[0]:
+            last[0], since[0] = now, time.monotonic()
+            return False
+        assert process.alive, process.tail()
+        return (
+            all(state == "idle" for _, state, _, _ in now)
+            and any(OUTLOOK_HEAD in str(text) for *_, text in now)
+            and time.monotonic() - since[0] >= quiet
+        )
+
+    wait_until(asleep, interval=0.1, message=f"{process.name} to wait after a short claim")
+
+
+def worker_of(job_id: int) -> str:
+    """The worker that ran the job's (one) attempt."""
+    (worker_id,) = Job.objects.get(id=job_id).worker_ids
+    return str(worker_id)
 
 
 def test_a_running_key_holds_back_only_its_own_jobs() -> None:

@@ -454,6 +454,11 @@ class Completer(threading.Thread):
                 continue
             statuses = self._write_group(action, group)
             batch[:] = [o for o in batch if o.action != action]
+            # Their slots under a limit, or their keys, are free: another worker may be
+            # waiting for them (a lost word costs it a tick, not a job).
+            freed = [o.job.id for o in group if o.job.guarded]
+            if freed:
+                self.store.wake_freed(freed)
             if statuses is None:
                 self._forget(group)
             else:

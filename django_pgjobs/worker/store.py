@@ -134,6 +134,9 @@ class Store:
     def reap(self) -> list[Reaped]:
         return lifecycle.reap(self._connection()[0], max_crashes=conf.max_crashes())
 
+    def wake_freed(self, job_ids: Collection[int]) -> None:
+        lifecycle.wake_freed(self._connection()[0], job_ids, channel=conf.channel())
+
     def outlook(self, queues: Sequence[str], since: float) -> lifecycle.Outlook:
         return lifecycle.outlook(self._connection()[0], queues, since)
 
