@@ -516,9 +516,17 @@ class Outlook:
     rate_free: float | None
 
 
+def freed_queues(connection: sql.Connection, job_ids: Collection[int]) -> list[str]:
+    """The queues where these jobs, no longer running, freed what a waiting worker may claim
+    now: a slot under the queue's concurrency limit, or a lock key (``sql.FREED_QUEUES``)."""
+    if not job_ids:
+        return []
+    return [row[0] for row in sql.run(connection, sql.FREED_QUEUES, {"ids": list(job_ids)})]
+
+
 def wake_freed(connection: sql.Connection, job_ids: Collection[int], *, channel: str) -> None:
-    """Tell waiting workers, on ``channel``, that these jobs, no longer running, freed a slot
-    of their queue's concurrency limit or their lock key (``sql.WAKE_FREED``)."""
+    """Send those queues' workers, on ``channel``, the word a new job sends
+    (``sql.WAKE_FREED``), in a transaction of its own: ``connection`` in autocommit."""
     if job_ids:
         sql.run(connection, sql.WAKE_FREED, {"ids": list(job_ids), "channel": channel})
 

@@ -840,10 +840,12 @@ class JobManager(models.Manager["Job"]):
         A ``queued`` job ends ``cancelled`` at once and never runs. A ``running`` one ends
         ``cancelled`` too: its worker's later complete or fail changes nothing (the fence),
         and its next heartbeat sets ``current_job().cancelled`` so the function can return
-        early. Finished jobs (``done``, ``failed``, ``cancelled``) are left alone. A job
-        running in transaction mode holds its row locked: the cancel waits for that
-        transaction (holding no other job's row meanwhile), then finds the job finished (or,
-        if it rolled back, queued again, and cancels it).
+        early; its slot under a concurrency limit, or its lock key, is free at once, and
+        workers waiting on them are woken when the cancel commits. Finished jobs (``done``,
+        ``failed``, ``cancelled``) are left alone. A job running in transaction mode holds its
+        row locked: the cancel waits for that transaction (holding no other job's row
+        meanwhile), then finds the job finished (or, if it rolled back, queued again, and
+        cancels it).
         """
         ids = [job_ids] if isinstance(job_ids, int) and not isinstance(job_ids, bool) else job_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
@@ -870,10 +872,6 @@ class JobManager(models.Manager["Job"]):
         rest = [i for i in wanted if i not in done]
         for (job_id,) in sql.run(connection, sql.UNFINISHED, {"ids": rest}) if rest else []:
             rows += sql.run(connection, sql.CANCEL_WAITING, {"ids": [job_id]})
-        # A running job cancelled frees its slot under its queue's limit, or its lock key.
-        lifecycle.wake_freed(
-            connection, [row[0] for row in rows if row[4] == "running"], channel=conf.channel()
-        )
         for job_id, task, queue, attempts, was in rows:
             logger.info(
                 "cancel of job %s %s: %s, now cancelled",
@@ -888,6 +886,11 @@ class JobManager(models.Manager["Job"]):
                     "attempts": attempts,
                 },
             )
+        # A running job cancelled frees its slot under its queue's limit, or its lock key:
+        # word to workers waiting on them, as for a new job, once the cancel commits.
+        running = [row[0] for row in rows if row[4] == "running"]
+        for queue in lifecycle.freed_queues(connection, running):
+            notify_on_commit(self.db_alias, queue)
         return len(rows)
 
     def reap(self, batch_size: int = REAP_BATCH) -> list[Reaped]:

@@ -986,23 +986,34 @@ SELECT
                  WHERE queue = q.name AND status = 'queued' AND run_at <= now())) AS rate_free
 """
 
-# A job that held a slot under its queue's concurrency limit, or a lock key, left `running`
-# (its outcome was written, or it was cancelled): the next job of its queue may start now. The
-# worker to claim it may be another one, waiting since its claim came back short (a worker's
-# own finished jobs wake it, another's do not), which without word would wait for its next
-# tick. Word goes out as for a new job, a NOTIFY for the queue, delivered on commit: for each
-# queue of these jobs that is not paused, has a ready job, and has a concurrency limit or the
-# job had a key. (The next job of a key in another queue still waits for that queue's workers'
-# next claim: finding it would read every ready keyed job.)
-WAKE_FREED: LiteralString = """
+# Jobs that held a slot under their queue's concurrency limit, or a lock key, no longer run
+# (their outcome was written, or they were cancelled): the next job of the queue may start
+# now. The worker to claim it may be another one, waiting since its claim came back short (a
+# worker's own finished jobs wake it, another's do not), which without word would wait for its
+# next tick. Their queues that want word: not paused, with a ready job, and with room under
+# the concurrency limit (counted as the guarded claim counts; none when someone refilled the
+# slot already), or, for a job that had a key, any such queue. (The next job of a key in
+# another queue still waits for that queue's workers' next claim: finding it would read every
+# ready keyed job.)
+FREED_QUEUES: LiteralString = """
+SELECT DISTINCT j.queue FROM pgjobs_job j LEFT JOIN pgjobs_queue q ON q.name = j.queue
+WHERE j.id = ANY(%(ids)s::bigint[]) AND NOT coalesce(q.paused, false)
+  AND (j.lock_key IS NOT NULL
+       OR q.concurrency > (SELECT count(*) FROM pgjobs_job r
+                           WHERE r.queue = j.queue AND r.status = 'running'))
+  AND EXISTS (SELECT FROM pgjobs_job r
+              WHERE r.queue = j.queue AND r.status = 'queued' AND r.run_at <= now())"""
+
+# The worker's word to those queues, sent as a new job's is: a NOTIFY each, in a transaction
+# of its own that does not wait for the WAL flush (as NOTIFY's).
+WAKE_FREED: LiteralString = (
+    """
 SELECT pg_notify(%(channel)s, freed.queue)
-FROM (SELECT DISTINCT j.queue FROM pgjobs_job j LEFT JOIN pgjobs_queue q ON q.name = j.queue
-      WHERE j.id = ANY(%(ids)s::bigint[])
-        AND (j.lock_key IS NOT NULL OR q.concurrency IS NOT NULL)
-        AND NOT coalesce(q.paused, false)) AS freed
-WHERE EXISTS (SELECT FROM pgjobs_job
-              WHERE queue = freed.queue AND status = 'queued' AND run_at <= now())
+FROM ("""
+    + FREED_QUEUES
+    + """) AS freed, set_config('synchronous_commit', 'off', true)
 """
+)
 
 # -- queue control: an operator's pause and limits, one row per queue in pgjobs_queue. Each
 # write that may let workers claim more sends the NOTIFY a new job would (it is delivered on

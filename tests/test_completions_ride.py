@@ -12,10 +12,13 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection
 
+from django_pgjobs import conf, sql
 from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.models import Job
 from django_pgjobs.worker import completer as completer_module
@@ -27,7 +30,7 @@ from django_pgjobs.worker.outcomes import COMPLETE, WorkerStats
 from django_pgjobs.worker.store import Store
 from testproject import ride_audit
 from testproject.testjobs import noop
-from tests.helpers import wait_until
+from tests.helpers import PATIENCE, raw_connect, wait_until
 from tests.workers import Workers, counts, query, scalar
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -245,6 +248,75 @@ def test_a_guarded_queues_completions_never_wait_for_a_claim(
     parts.run(parts.handed[0])
     wait_until(lambda: parts.stats.done == 1, message="the guarded queue's completion written")
     assert row(limited)[:2] == ("done", 1)
+
+
+def heard(listener: psycopg.Connection[Any]) -> list[str]:
+    """The queues named by the NOTIFYs ``listener`` got so far: a marker sent after them
+    arrives after every one of them."""
+    listener.execute("SELECT pg_notify(%s, 'marker')", [conf.channel()])
+    names = []
+    for note in listener.notifies(timeout=PATIENCE):
+        if note.payload == "marker":
+            return names
+        names.append(note.payload)
+    raise AssertionError("the marker never came")
+
+
+def test_a_job_of_the_guarded_claim_never_rides_and_its_end_wakes_its_queue(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Job.objects.set_limits("limited", concurrency=1)
+    first, second = (Job.objects.enqueue(noop, {}, queue="limited").id for _ in range(2))
+    monkeypatch.setattr(completer_module, "RIDE_WAIT", 3600.0)
+    with raw_connect() as listener:
+        listener.execute(f'LISTEN "{conf.channel()}"')
+        parts.completer.start()
+        # The producer will make a plain claim, and does not (yet) know "limited" is guarded:
+        # the completion would wait for that claim, which would write it without a word.
+        parts.completer.ride(True)
+        assert parts.mode.dispatch("limited", 1, True) == 1
+        assert parts.handed[0].guarded
+        parts.run(parts.handed[0])
+        wait_until(lambda: parts.stats.done == 1, message="the guarded job's completion")
+        assert parts.completer.take_completions() == []
+        assert row(first)[:2] == ("done", 1)
+        # Its slot is free and the second job ready: word to the queue's workers.
+        wait_until(lambda: heard(listener) == ["limited"], message="word of the freed slot")
+        # The plain claim's jobs give none.
+        plain = Job.objects.enqueue(noop, {}).id
+        assert heard(listener) == ["default"]  # the enqueue's own
+        parts.completer.ride(False)
+        assert parts.mode.dispatch("default", 1) == 1
+        parts.run(parts.handed[1])
+        wait_until(lambda: parts.stats.done == 2, message="the plain job's completion")
+        assert row(plain)[:2] == ("done", 1)
+        assert heard(listener) == []
+        assert row(second)[0] == "queued"
+
+
+def test_a_word_that_cannot_be_sent_loses_nothing_written(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Job.objects.set_limits("limited", concurrency=1)
+    first, second = (Job.objects.enqueue(noop, {}, queue="limited").id for _ in range(2))
+    # The server refuses the word: a channel name longer than it allows.
+    monkeypatch.setattr(
+        sql, "WAKE_FREED", "SELECT pg_notify(repeat('x', 100), 'limited') WHERE %(ids)s IS NOT NULL"
+    )
+    parts.completer.start()
+    assert parts.mode.dispatch("limited", 1, True) == 1
+    parts.run(parts.handed[0])
+    wait_until(
+        lambda: "could not tell other workers" in caplog.text, message="the lost word logged"
+    )
+    assert parts.stats.done == 1
+    assert row(first)[:2] == ("done", 1)
+    # The outcome is counted and its claim forgotten; the completer goes on writing.
+    assert not parts.completer.holds_any()
+    assert parts.mode.dispatch("limited", 1, True) == 1
+    parts.run(parts.handed[1])
+    wait_until(lambda: parts.stats.done == 2, message="the next outcome written")
+    assert row(second)[:2] == ("done", 1)
 
 
 def test_completions_a_claim_failed_on_are_written_apart_from_then_on(

@@ -37,7 +37,7 @@ from tests.helpers import (
     wait_until,
     worker_record,
 )
-from tests.workers import SLEEP, Process, Workers, query, scalar
+from tests.workers import SLEEP, Process, Workers, listener_statements, query, scalar
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -416,7 +416,7 @@ def test_a_slot_freed_by_another_workers_job_wakes_a_worker_waiting_on_the_limit
     wait_until(lambda: job_row(first)["status"] == "running", message="the first job to start")
     second = Job.objects.enqueue("testproject.testjobs.noop", {}, queue="single").id
     waiting = workers.start("--queue", "single", *quiet, test_jobs=True)
-    asleep_after_a_short_claim(waiting)
+    asleep_after_a_short_claim(waiting, listeners=2)
     assert job_row(second)["status"] == "queued"
     stopping.send(signal.SIGTERM)
     stopping.wait_for_log("signal again to exit now")
@@ -450,7 +450,7 @@ def test_cancelling_a_running_job_of_a_limited_queue_starts_the_next_at_once(
         test_jobs=True,
     )
     wait_until(lambda: job_row(first)["status"] == "running", message="the first job to start")
-    asleep_after_a_short_claim(worker)
+    asleep_after_a_short_claim(worker, listeners=1)
     assert job_row(second)["status"] == "queued"
     assert Job.objects.cancel(first) == 1
     all_done([second], message="the next job of the queue after the cancel")
@@ -459,24 +459,24 @@ def test_cancelling_a_running_job_of_a_limited_queue_starts_the_next_at_once(
 
 def test_word_of_a_freed_slot_goes_only_to_queues_that_can_use_it() -> None:
     # Each queue has a job that finished (cancelled here: any end will do) and, but for
-    # `idle`, a ready one behind it.
-    for queue in ("limited", "idle", "stopped"):
+    # `idle`, a ready one behind it. Only `limited` and `keyed` have room for it: `idle` has
+    # no ready job, `stopped` is paused, `refilled` already runs as many as its limit allows,
+    # `rated` and `plain` have no concurrency limit, and their jobs no key.
+    for queue in ("limited", "idle", "stopped", "refilled"):
         Job.objects.set_limits(queue, concurrency=1)
+    Job.objects.set_limits("rated", rate=(1, 60))
     Job.objects.pause("stopped")
+    queues = ("limited", "idle", "stopped", "refilled", "rated", "keyed", "plain")
     finished = [
-        Job.objects.enqueue(NOOP, queue=queue, lock_key=key).id
-        for queue, key in (
-            ("limited", None),
-            ("idle", None),
-            ("stopped", None),
-            ("keyed", "k"),
-            ("plain", None),
-        )
+        Job.objects.enqueue(NOOP, queue=queue, lock_key="k" if queue == "keyed" else None).id
+        for queue in queues
     ]
     assert Job.objects.cancel(finished) == len(finished)
-    for queue in ("limited", "stopped", "keyed", "plain"):
-        Job.objects.enqueue(NOOP, queue=queue)
+    for queue in queues:
+        if queue != "idle":
+            Job.objects.enqueue(NOOP, queue=queue)
     Job.objects.enqueue(NOOP, queue="idle", delay=timedelta(hours=1))
+    make_job(queue="refilled", status="running", attempts=1)
     with raw_connect() as listener:
         listener.execute(f'LISTEN "{conf.channel()}"')
         lifecycle.wake_freed(connection, finished, channel=conf.channel())
@@ -492,13 +492,15 @@ def test_word_of_a_freed_slot_goes_only_to_queues_that_can_use_it() -> None:
 
 # The outlook's opening, which pg_stat_activity keeps (it cuts a statement's text short).
 OUTLOOK_HEAD = "extract(epoch FROM min(run_at) - now())"
-assert OUTLOOK_HEAD in sql.OUTLOOK[:200]
 
 
-def asleep_after_a_short_claim(process: Process, quiet: float = 1.0) -> None:
+def asleep_after_a_short_claim(process: Process, *, listeners: int, quiet: float = 1.0) -> None:
     """Wait until the worker's connections (not its LISTEN one) are idle, the latest
     statement of one of them the outlook that follows a short claim, and none has moved for
-    ``quiet`` s: it is waiting for a NOTIFY or its next tick."""
+    ``quiet`` s: it is waiting for a NOTIFY or its next tick. Its LISTEN is in place too
+    (``listeners``: how many LISTEN connections the test's workers have), or the claim that
+    follows it could still take a job."""
+    assert OUTLOOK_HEAD in sql.OUTLOOK[:200]
     last: list[list[tuple[object, ...]]] = [[]]
     since = [time.monotonic()]
 
@@ -515,6 +517,7 @@ def asleep_after_a_short_claim(process: Process, quiet: float = 1.0) -> None:
         return (
             all(state == "idle" for _, state, _, _ in now)
             and any(OUTLOOK_HEAD in str(text) for *_, text in now)
+            and sum(1 for text in listener_statements() if text) == listeners
             and time.monotonic() - since[0] >= quiet
         )
 

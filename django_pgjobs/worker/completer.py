@@ -126,6 +126,9 @@ class Completer(threading.Thread):
         # The queues the producer claims through the guarded claim, which takes no completions:
         # theirs never wait for a claim (under a limit, a job counts until it is written).
         self._guarded: frozenset[str] = frozenset()
+        # Jobs of the guarded claim written since the last word to other workers
+        # (_wake_freed(); this thread's own).
+        self._freed: list[int] = []
         # Completions the producer wrote, and the ids its fence let through (completed()).
         self._written: list[tuple[list[Outcome], set[int]]] = []
         self._running: dict[int, _Running] = {}
@@ -225,9 +228,9 @@ class Completer(threading.Thread):
         if not self.with_claims:
             return []
         with self._lock:
-            taken = [o for o in self._pending if o.action == COMPLETE and o.rides]
+            taken = [o for o in self._pending if self._rides(o)]
             if taken:
-                self._pending = [o for o in self._pending if not (o.action == COMPLETE and o.rides)]
+                self._pending = [o for o in self._pending if not self._rides(o)]
             return taken
 
     def completed(self, group: list[Outcome], done: set[int]) -> None:
@@ -320,6 +323,7 @@ class Completer(threading.Thread):
                     backoff.succeeded(self.store.alias)
                     if wrote and self.on_written is not None:
                         self.on_written()
+                    self._wake_freed()
                 except ImproperlyConfigured:
                     logger.exception(
                         "completer stopped; %s outcomes not recorded (their leases will expire)",
@@ -391,9 +395,19 @@ class Completer(threading.Thread):
             return False
         if not self._riding or self._closing or time.monotonic() - self._pending_since >= RIDE_WAIT:
             return True
-        return any(
-            o.action != COMPLETE or o.job.queue in self._guarded or not o.rides
-            for o in self._pending
+        return not all(self._rides(o) for o in self._pending)
+
+    def _rides(self, o: Outcome) -> bool:
+        """Whether a pending outcome may wait for, and be written by, the producer's plain
+        claim (called holding the lock): a completion no claim refused before, of a job the
+        plain claim took, in a queue the producer does not claim guarded now. A guarded claim
+        takes no completions; under a limit a job counts until it is written, and its end
+        is word to other workers (``_wake_freed()``), which the claim does not send."""
+        return (
+            o.action == COMPLETE
+            and o.rides
+            and not o.job.guarded
+            and o.job.queue not in self._guarded
         )
 
     def _wait(self) -> float:
@@ -454,15 +468,33 @@ class Completer(threading.Thread):
                 continue
             statuses = self._write_group(action, group)
             batch[:] = [o for o in batch if o.action != action]
-            # Their slots under a limit, or their keys, are free: another worker may be
-            # waiting for them (a lost word costs it a tick, not a job).
-            freed = [o.job.id for o in group if o.job.guarded]
-            if freed:
-                self.store.wake_freed(freed)
             if statuses is None:
                 self._forget(group)
             else:
                 self._finished(group, statuses)
+            self._freed.extend(
+                o.job.id
+                for o in group
+                if o.job.guarded and (statuses is None or o.job.id in statuses)
+            )
+
+    def _wake_freed(self) -> None:
+        """Send word of the slots under a limit, and the lock keys, that the jobs written
+        since the last word freed: another worker may be waiting for them. Never raises: the
+        outcomes are written, and a word lost costs a waiting worker a tick, not a job."""
+        if not self._freed:
+            return
+        freed, self._freed = self._freed, []
+        try:
+            self.store.wake_freed(freed)
+        except Exception:
+            logger.warning(
+                "could not tell other workers that %s finished jobs freed their queues' "
+                "limits or lock keys; they claim at their next tick",
+                len(freed),
+                exc_info=True,
+                extra={"action": "complete"},
+            )
 
     def _write_group(self, action: str, group: list[Outcome]) -> dict[int, str] | None:
         """Write one kind of outcome in one statement; the new status of each job it changed
