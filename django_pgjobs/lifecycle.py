@@ -69,8 +69,9 @@ class ClaimedJob:
     crashes: int = 0
     # Seconds this attempt may run (None: no limit).
     timeout: float | None = None
-    # Claimed by the guarded claim (its queue has a limit, or it has a lock key): once it no
-    # longer runs, a worker waiting on that limit or key may start the next (``wake_freed``).
+    # Claimed by the guarded claim (its queue has a limit, or ready jobs with lock keys): once
+    # it no longer runs, a worker waiting on that limit or key may start the next
+    # (``wake_freed``).
     guarded: bool = False
 
 

@@ -20,7 +20,7 @@ from datetime import timezone as dt_timezone
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings as django_settings
-from django.db import connections, models, transaction
+from django.db import DatabaseError, connections, models, transaction
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 from django.db.transaction import TransactionManagementError
@@ -889,9 +889,28 @@ class JobManager(models.Manager["Job"]):
         # A running job cancelled frees its slot under its queue's limit, or its lock key:
         # word to workers waiting on them, as for a new job, once the cancel commits.
         running = [row[0] for row in rows if row[4] == "running"]
-        for queue in lifecycle.freed_queues(connection, running):
-            notify_on_commit(self.db_alias, queue)
+        if running:
+            self._wake_freed(running)
         return len(rows)
+
+    def _wake_freed(self, job_ids: list[int]) -> None:
+        """Word, on commit, to the queues where these cancelled jobs freed what a waiting
+        worker may claim. A hint, never a reason to fail the cancel: looked up in a
+        savepoint of its own inside the caller's transaction, and a failure is logged."""
+        try:
+            with transaction.atomic(using=self.db_alias):
+                queues = lifecycle.freed_queues(self.connection(), job_ids)
+        except DatabaseError:
+            logger.warning(
+                "could not tell workers that %s cancelled running jobs freed their queues' "
+                "limits or lock keys; they claim at their next tick",
+                len(job_ids),
+                exc_info=True,
+                extra={"action": "cancel"},
+            )
+            return
+        for queue in queues:
+            notify_on_commit(self.db_alias, queue)
 
     def reap(self, batch_size: int = REAP_BATCH) -> list[Reaped]:
         """Send jobs whose lease expired back to ``queued`` (``failed`` once out of attempts).

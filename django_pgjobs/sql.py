@@ -991,18 +991,25 @@ SELECT
 # now. The worker to claim it may be another one, waiting since its claim came back short (a
 # worker's own finished jobs wake it, another's do not), which without word would wait for its
 # next tick. Their queues that want word: not paused, with a ready job, and with room under
-# the concurrency limit (counted as the guarded claim counts; none when someone refilled the
-# slot already), or, for a job that had a key, any such queue. (The next job of a key in
-# another queue still waits for that queue's workers' next claim: finding it would read every
-# ready keyed job.)
+# the concurrency limit (counted as the guarded claim counts), or, without one, a lock key of
+# these jobs that no running job took again. Grouped by queue first, so each queue's room is
+# counted once. (The next job of a key in another queue still waits for that queue's workers'
+# next claim: finding it would read every ready keyed job.)
 FREED_QUEUES: LiteralString = """
-SELECT DISTINCT j.queue FROM pgjobs_job j LEFT JOIN pgjobs_queue q ON q.name = j.queue
-WHERE j.id = ANY(%(ids)s::bigint[]) AND NOT coalesce(q.paused, false)
-  AND (j.lock_key IS NOT NULL
-       OR q.concurrency > (SELECT count(*) FROM pgjobs_job r
-                           WHERE r.queue = j.queue AND r.status = 'running'))
+SELECT f.queue
+FROM (SELECT j.queue,
+             bool_or(j.lock_key IS NOT NULL
+                     AND NOT EXISTS (SELECT FROM pgjobs_job r
+                                     WHERE r.lock_key = j.lock_key AND r.status = 'running'))
+               AS key_free
+      FROM pgjobs_job j WHERE j.id = ANY(%(ids)s::bigint[]) GROUP BY j.queue) AS f
+LEFT JOIN pgjobs_queue q ON q.name = f.queue
+WHERE NOT coalesce(q.paused, false)
+  AND CASE WHEN q.concurrency IS NULL THEN f.key_free
+           ELSE q.concurrency > (SELECT count(*) FROM pgjobs_job r
+                                 WHERE r.queue = f.queue AND r.status = 'running') END
   AND EXISTS (SELECT FROM pgjobs_job r
-              WHERE r.queue = j.queue AND r.status = 'queued' AND r.run_at <= now())"""
+              WHERE r.queue = f.queue AND r.status = 'queued' AND r.run_at <= now())"""
 
 # The worker's word to those queues, sent as a new job's is: a NOTIFY each, in a transaction
 # of its own that does not wait for the WAL flush (as NOTIFY's).

@@ -193,12 +193,24 @@ def listening(channel: str = "pgjobs", using: str = "default") -> Iterator[Liste
     """LISTEN on ``channel`` from a second connection for the duration of the block."""
     with raw_connect(using) as conn:
         conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(channel)))
-        yield Listener(conn)
+        yield Listener(conn, channel)
 
 
 class Listener:
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], channel: str) -> None:
         self.conn = conn
+        self.channel = channel
+
+    def heard(self) -> list[str]:
+        """Every payload that reached the channel so far, and nothing of what comes later: a
+        marker sent now arrives after each of them, and ends the read."""
+        self.conn.execute("SELECT pg_notify(%s, 'marker')", [self.channel])
+        payloads = []
+        for note in self.conn.notifies(timeout=PATIENCE):
+            if note.payload == "marker":
+                return payloads
+            payloads.append(note.payload)
+        raise AssertionError("the marker NOTIFY never came back")
 
     def receive(self, expected: int, timeout: float = PATIENCE) -> list[str]:
         """Up to ``expected`` payloads: returns as soon as they are in, or after ``timeout``."""

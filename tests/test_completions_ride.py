@@ -12,9 +12,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
-import psycopg
 import pytest
 from django.db import connection
 
@@ -30,7 +28,7 @@ from django_pgjobs.worker.outcomes import COMPLETE, WorkerStats
 from django_pgjobs.worker.store import Store
 from testproject import ride_audit
 from testproject.testjobs import noop
-from tests.helpers import PATIENCE, raw_connect, wait_until
+from tests.helpers import listening, wait_until
 from tests.workers import Workers, counts, query, scalar
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -250,26 +248,13 @@ def test_a_guarded_queues_completions_never_wait_for_a_claim(
     assert row(limited)[:2] == ("done", 1)
 
 
-def heard(listener: psycopg.Connection[Any]) -> list[str]:
-    """The queues named by the NOTIFYs ``listener`` got so far: a marker sent after them
-    arrives after every one of them."""
-    listener.execute("SELECT pg_notify(%s, 'marker')", [conf.channel()])
-    names = []
-    for note in listener.notifies(timeout=PATIENCE):
-        if note.payload == "marker":
-            return names
-        names.append(note.payload)
-    raise AssertionError("the marker never came")
-
-
 def test_a_job_of_the_guarded_claim_never_rides_and_its_end_wakes_its_queue(
     parts: Parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     Job.objects.set_limits("limited", concurrency=1)
     first, second = (Job.objects.enqueue(noop, {}, queue="limited").id for _ in range(2))
     monkeypatch.setattr(completer_module, "RIDE_WAIT", 3600.0)
-    with raw_connect() as listener:
-        listener.execute(f'LISTEN "{conf.channel()}"')
+    with listening(conf.channel()) as listener:
         parts.completer.start()
         # The producer will make a plain claim, and does not (yet) know "limited" is guarded:
         # the completion would wait for that claim, which would write it without a word.
@@ -281,16 +266,16 @@ def test_a_job_of_the_guarded_claim_never_rides_and_its_end_wakes_its_queue(
         assert parts.completer.take_completions() == []
         assert row(first)[:2] == ("done", 1)
         # Its slot is free and the second job ready: word to the queue's workers.
-        wait_until(lambda: heard(listener) == ["limited"], message="word of the freed slot")
+        wait_until(lambda: listener.heard() == ["limited"], message="word of the freed slot")
         # The plain claim's jobs give none.
         plain = Job.objects.enqueue(noop, {}).id
-        assert heard(listener) == ["default"]  # the enqueue's own
+        assert listener.heard() == ["default"]  # the enqueue's own
         parts.completer.ride(False)
         assert parts.mode.dispatch("default", 1) == 1
         parts.run(parts.handed[1])
         wait_until(lambda: parts.stats.done == 2, message="the plain job's completion")
         assert row(plain)[:2] == ("done", 1)
-        assert heard(listener) == []
+        assert listener.heard() == []
         assert row(second)[0] == "queued"
 
 

@@ -25,12 +25,14 @@ import django_pgjobs
 from django_pgjobs import conf, lifecycle, sql
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job, QueueState
+from django_pgjobs.notify import notifier
 from django_pgjobs.worker import Worker
 from testproject.shop.models import Order
 from tests.helpers import (
     NOOP,
     PATIENCE,
     job_row,
+    listening,
     make_job,
     make_jobs,
     raw_connect,
@@ -461,15 +463,16 @@ def test_word_of_a_freed_slot_goes_only_to_queues_that_can_use_it() -> None:
     # Each queue has a job that finished (cancelled here: any end will do) and, but for
     # `idle`, a ready one behind it. Only `limited` and `keyed` have room for it: `idle` has
     # no ready job, `stopped` is paused, `refilled` already runs as many as its limit allows,
-    # `rated` and `plain` have no concurrency limit, and their jobs no key.
+    # in `rekeyed` another job of the finished one's key runs already, `rated` and `plain`
+    # have no concurrency limit, and their jobs no key.
     for queue in ("limited", "idle", "stopped", "refilled"):
         Job.objects.set_limits(queue, concurrency=1)
     Job.objects.set_limits("rated", rate=(1, 60))
     Job.objects.pause("stopped")
-    queues = ("limited", "idle", "stopped", "refilled", "rated", "keyed", "plain")
+    queues = ("limited", "idle", "stopped", "refilled", "rekeyed", "rated", "keyed", "plain")
+    keys = {"keyed": "k", "rekeyed": "r"}
     finished = [
-        Job.objects.enqueue(NOOP, queue=queue, lock_key="k" if queue == "keyed" else None).id
-        for queue in queues
+        Job.objects.enqueue(NOOP, queue=queue, lock_key=keys.get(queue)).id for queue in queues
     ]
     assert Job.objects.cancel(finished) == len(finished)
     for queue in queues:
@@ -477,17 +480,31 @@ def test_word_of_a_freed_slot_goes_only_to_queues_that_can_use_it() -> None:
             Job.objects.enqueue(NOOP, queue=queue)
     Job.objects.enqueue(NOOP, queue="idle", delay=timedelta(hours=1))
     make_job(queue="refilled", status="running", attempts=1)
-    with raw_connect() as listener:
-        listener.execute(f'LISTEN "{conf.channel()}"')
+    again = Job.objects.enqueue(NOOP, queue="rekeyed", lock_key="r").id
+    Job.objects.filter(id=again).update(status="running", attempts=1)
+    with listening(conf.channel()) as listener:
         lifecycle.wake_freed(connection, finished, channel=conf.channel())
-        # A marker after it: every word the statement sent arrives before it.
-        listener.execute("SELECT pg_notify(%s, 'marker')", [conf.channel()])
-        heard = []
-        for note in listener.notifies(timeout=PATIENCE):
-            heard.append(note.payload)
-            if note.payload == "marker":
-                break
-    assert sorted(heard[:-1]) == ["keyed", "limited"]
+        assert sorted(listener.heard()) == ["keyed", "limited"]
+
+
+def test_a_cancel_sends_word_of_a_freed_slot_only_when_it_commits() -> None:
+    Job.objects.set_limits("single", concurrency=1)
+    running = make_job(queue="single", status="running", attempts=1)
+    Job.objects.enqueue(NOOP, queue="single")
+    with listening(conf.channel()) as listener:
+        assert listener.heard() == []
+        with pytest.raises(RuntimeError, match="rolled back"), transaction.atomic():
+            assert Job.objects.cancel(running) == 1
+            raise RuntimeError("rolled back")
+        assert job_row(running)["status"] == "running"
+        notifier.flush()
+        assert listener.heard() == []
+        with transaction.atomic():
+            assert Job.objects.cancel(running) == 1
+            notifier.flush()
+            assert listener.heard() == []  # not before the commit
+        notifier.flush()  # sent from the notifier's thread, after the commit
+        assert listener.heard() == ["single"]
 
 
 # The outlook's opening, which pg_stat_activity keeps (it cuts a statement's text short).

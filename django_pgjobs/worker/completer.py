@@ -128,7 +128,7 @@ class Completer(threading.Thread):
         self._guarded: frozenset[str] = frozenset()
         # Jobs of the guarded claim written since the last word to other workers
         # (_wake_freed(); this thread's own).
-        self._freed: list[int] = []
+        self._to_wake: list[int] = []
         # Completions the producer wrote, and the ids its fence let through (completed()).
         self._written: list[tuple[list[Outcome], set[int]]] = []
         self._running: dict[int, _Running] = {}
@@ -357,6 +357,15 @@ class Completer(threading.Thread):
                     extra={"action": "complete"},
                 )
             finally:
+                if self._to_wake:
+                    # The thread stops on a failure (the database gone, or refusing every
+                    # write): no word is tried any more.
+                    logger.warning(
+                        "other workers were not told that %s finished jobs freed their "
+                        "queues' limits or lock keys; they claim at their next tick",
+                        len(self._to_wake),
+                        extra={"action": "complete"},
+                    )
                 self.store.close()
                 connections.close_all()
 
@@ -472,7 +481,7 @@ class Completer(threading.Thread):
                 self._forget(group)
             else:
                 self._finished(group, statuses)
-            self._freed.extend(
+            self._to_wake.extend(
                 o.job.id
                 for o in group
                 if o.job.guarded and (statuses is None or o.job.id in statuses)
@@ -482,9 +491,9 @@ class Completer(threading.Thread):
         """Send word of the slots under a limit, and the lock keys, that the jobs written
         since the last word freed: another worker may be waiting for them. Never raises: the
         outcomes are written, and a word lost costs a waiting worker a tick, not a job."""
-        if not self._freed:
+        if not self._to_wake:
             return
-        freed, self._freed = self._freed, []
+        freed, self._to_wake = self._to_wake, []
         try:
             self.store.wake_freed(freed)
         except Exception:
