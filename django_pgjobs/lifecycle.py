@@ -525,6 +525,19 @@ def freed_queues(connection: sql.Connection, job_ids: Collection[int]) -> list[s
     return [row[0] for row in sql.run(connection, sql.FREED_QUEUES, {"ids": list(job_ids)})]
 
 
+def word_not_sent(count: int, action: str, *, failed: bool = True) -> None:
+    """Log that the word of ``count`` jobs' freed slots or keys did not go out (``failed``:
+    its statement raised, and the exception is logged with it). A hint lost, never a job:
+    waiting workers claim at their next tick."""
+    logger.warning(
+        "could not tell other workers that %s jobs no longer running freed their queues' limits "
+        "or lock keys; they claim at their next tick",
+        count,
+        exc_info=failed,
+        extra={"action": action},
+    )
+
+
 def wake_freed(connection: sql.Connection, job_ids: Collection[int], *, channel: str) -> None:
     """Send those queues' workers, on ``channel``, the word a new job sends
     (``sql.WAKE_FREED``), in a transaction of its own: ``connection`` in autocommit."""

@@ -901,13 +901,7 @@ class JobManager(models.Manager["Job"]):
             with transaction.atomic(using=self.db_alias):
                 queues = lifecycle.freed_queues(self.connection(), job_ids)
         except DatabaseError:
-            logger.warning(
-                "could not tell workers that %s cancelled running jobs freed their queues' "
-                "limits or lock keys; they claim at their next tick",
-                len(job_ids),
-                exc_info=True,
-                extra={"action": "cancel"},
-            )
+            lifecycle.word_not_sent(len(job_ids), "cancel")
             return
         for queue in queues:
             notify_on_commit(self.db_alias, queue)

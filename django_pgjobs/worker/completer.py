@@ -38,7 +38,7 @@ from django.db import connections
 
 from django_pgjobs import conf
 from django_pgjobs.context import JobContext
-from django_pgjobs.lifecycle import ClaimedJob, FailedAttempt, Failure
+from django_pgjobs.lifecycle import ClaimedJob, FailedAttempt, Failure, word_not_sent
 from django_pgjobs.worker.db import Backoff, unavailable
 from django_pgjobs.worker.executor import timed_out
 from django_pgjobs.worker.outcomes import (
@@ -360,12 +360,7 @@ class Completer(threading.Thread):
                 if self._to_wake:
                     # The thread stops on a failure (the database gone, or refusing every
                     # write): no word is tried any more.
-                    logger.warning(
-                        "other workers were not told that %s finished jobs freed their "
-                        "queues' limits or lock keys; they claim at their next tick",
-                        len(self._to_wake),
-                        extra={"action": "complete"},
-                    )
+                    word_not_sent(len(self._to_wake), "complete", failed=False)
                 self.store.close()
                 connections.close_all()
 
@@ -497,13 +492,7 @@ class Completer(threading.Thread):
         try:
             self.store.wake_freed(freed)
         except Exception:
-            logger.warning(
-                "could not tell other workers that %s finished jobs freed their queues' "
-                "limits or lock keys; they claim at their next tick",
-                len(freed),
-                exc_info=True,
-                extra={"action": "complete"},
-            )
+            word_not_sent(len(freed), "complete")
 
     def _write_group(self, action: str, group: list[Outcome]) -> dict[int, str] | None:
         """Write one kind of outcome in one statement; the new status of each job it changed
