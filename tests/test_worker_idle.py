@@ -7,6 +7,8 @@ import json
 import signal
 import threading
 import time
+from datetime import datetime
+from datetime import timezone as dt_timezone
 
 import pytest
 
@@ -78,8 +80,11 @@ def test_listener_reconnects_catches_up_and_is_woken_again(workers: Workers) -> 
 
 @pytest.mark.parametrize("schedule", [False, True], ids=["no-schedule", "hourly-schedule"])
 def test_an_idle_worker_sends_no_query(workers: Workers, schedule: bool) -> None:
-    # With a periodic schedule declared whose next tick is not in the window, too.
-    hourly = {"hourly": {"task": "tick", "every": 3600}}
+    # With a periodic schedule declared whose next tick is not in the window, too: hourly, at
+    # half an hour from now (an `every: 3600` ticks on the hour, which a run just before it
+    # would see).
+    minute = (datetime.now(dt_timezone.utc).minute + 30) % 60
+    hourly = {"hourly": {"task": "tick", "cron": f"{minute} * * * *", "timezone": "UTC"}}
     worker = workers.start(
         "--poll-interval",
         "600",
