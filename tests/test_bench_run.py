@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks.db import BenchAbort
 from benchmarks.peers import LOCKS, NAMES, SPECS, _check_locked, canonical, pins
+from benchmarks.report import Row, build_targets
 from benchmarks.run import requested_peers
 from django_pgjobs.connections import connection_params
 from django_pgjobs.models import Job
@@ -148,3 +149,23 @@ def test_the_statements_diagnostic_knows_the_worker_statements_by_their_normalis
         assert text.startswith(start) and part in text, kind
         for other in map(normalised, others):
             assert not (other.startswith(start) and part in other), (kind, other)
+
+
+def test_the_single_enqueue_target_shows_its_bound_beside_it() -> None:
+    rows = [
+        Row("w2_single.jobs_per_s", "enqueue()", "jobs/s", [1_950.0, 2_000.0, 2_050.0]),
+        Row("w2_returning.jobs_per_s", "bare", "jobs/s", [2_400.0]),
+        Row("w2_single_prepared.jobs_per_s", "prepared", "jobs/s", [2_420.0]),
+        Row("peer.pgqueuer.w2_single.jobs_per_s", "pgqueuer", "jobs/s", [2_300.0]),
+    ]
+    targets = {target.name: target for target in build_targets(rows, None, 0)}
+    defaults = targets["W2 enqueue() vs pgqueuer's single enqueue, side by side"]
+    assert defaults.measured == (
+        "0.87x (2,000 vs 2,300 jobs/s); its bound, the bare INSERT ... RETURNING id: 1.04x"
+    )
+    assert defaults.passed is False
+    prepared = targets[
+        "W2 enqueue() with server-side binding, prepared vs pgqueuer's single enqueue, side by side"
+    ]
+    assert prepared.measured == "1.05x (2,420 vs 2,300 jobs/s)"
+    assert prepared.passed is True
