@@ -89,8 +89,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         help="CPU-bound jobs per run of the cores section (default 2,000; --quick 500)",
     )
-    parser.add_argument(
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument(
         "--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}"
+    )
+    chosen.add_argument(
+        "--only", default="", help="comma-separated sections to run, the others left out"
     )
     parser.add_argument(
         "--worker-log-level",
@@ -100,10 +104,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="where to write the raw figures")
     args = parser.parse_args(argv)
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if skip - set(SECTIONS):
-        parser.error(f"unknown sections {sorted(skip - set(SECTIONS))}; use {SECTIONS}")
-    args.skip = skip
+    skip, only = (
+        {s.strip() for s in text.split(",") if s.strip()} for text in (args.skip, args.only)
+    )
+    if (skip | only) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted((skip | only) - set(SECTIONS))}; use {SECTIONS}")
+    args.skip = set(SECTIONS) - only if only else skip
     return args
 
 

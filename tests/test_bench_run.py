@@ -16,7 +16,7 @@ import pytest
 from benchmarks.db import BenchAbort
 from benchmarks.peers import LOCKS, NAMES, SPECS, _check_locked, canonical, pins
 from benchmarks.report import Row, build_targets
-from benchmarks.run import requested_peers
+from benchmarks.run import SECTIONS, parse_args, requested_peers
 from django_pgjobs.connections import connection_params
 from django_pgjobs.models import Job
 from testproject.testjobs import noop
@@ -169,3 +169,12 @@ def test_the_single_enqueue_target_shows_its_bound_beside_it() -> None:
     ]
     assert prepared.measured == "1.05x (2,420 vs 2,300 jobs/s)"
     assert prepared.passed is True
+
+
+def test_only_runs_the_sections_it_names_and_refuses_unknown_ones() -> None:
+    assert parse_args(["--only", "async, cores"]).skip == set(SECTIONS) - {"async", "cores"}
+    assert parse_args(["--skip", "w1"]).skip == {"w1"}
+    assert parse_args([]).skip == set()
+    for argv in (["--only", "w1,celery"], ["--only", "w1", "--skip", "w2"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
