@@ -28,6 +28,8 @@ CANCELLED = -1.0
 STARTED = -2.0
 # The end writes_then_fails records before it fails.
 WRITTEN = -3.0
+# The end of the row the test writes to tell waits_for_word to finish.
+WORD = -4.0
 
 
 def _record(job_id: int, attempts: int, started: float, ended: float | None) -> None:
@@ -158,6 +160,32 @@ async def ignores_its_cancel() -> None:
     except asyncio.CancelledError:
         await record(ctx.id, ctx.attempts, 0.0, CANCELLED)
         await asyncio.sleep(3600)
+
+
+def _told(job_id: int) -> bool:
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            f"SELECT EXISTS (SELECT FROM {SPANS} WHERE job_id = %s AND ended = %s)",
+            [job_id, WORD],
+        )
+        row = cursor.fetchone()
+        return bool(row and row[0])
+
+
+told = sync_to_async(_told)
+
+
+@job
+async def waits_for_word() -> None:
+    """Awaits until the test writes its word (a row of its id ending at ``WORD``), looking
+    every 0.1 s: it runs as long as the test wants, however slow the machine; records the
+    whole span."""
+    ctx = current_job()
+    assert ctx is not None
+    started = time.monotonic()
+    while not await told(ctx.id):
+        await asyncio.sleep(0.1)
+    await record(ctx.id, ctx.attempts, started, time.monotonic())
 
 
 def _slow_backoff(attempt: int, exc: BaseException) -> float:

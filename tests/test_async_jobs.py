@@ -257,6 +257,45 @@ def test_a_cancel_of_a_running_async_job_cancels_its_task(workers: Workers, span
     assert "1 cancelled" in worker.output()
 
 
+def test_heartbeats_keep_an_async_jobs_lease_past_its_length(workers: Workers, spans: None) -> None:
+    job_id = Job.objects.enqueue(async_jobs.waits_for_word, {}).id
+    # The reaper runs every 0.5 s: were the 3 s lease not extended, it would take the job
+    # back (the heartbeat, every lease/3, leaves 2 s for a busy machine to be late).
+    worker = start(workers, "--lease", "3", "--reap-interval", "0.5")
+    wait_until(lambda: status(job_id) == "running", message="the job to start")
+    seen = [job_row(job_id)["locked_until"]]
+
+    def extended() -> bool:
+        row = job_row(job_id)
+        assert (row["status"], row["attempts"]) == ("running", 1), "the job was taken back"
+        if row["locked_until"] > seen[-1]:
+            seen.append(row["locked_until"])
+        return len(seen) >= 4
+
+    wait_until(extended, message="the lease to be extended three times")
+    wait_until(
+        lambda: scalar(
+            "SELECT status = 'running' AND attempts = 1 AND now() > started_at + interval '4 s' "
+            "AND locked_until > now() FROM pgjobs_job WHERE id = %s",
+            [job_id],
+        ),
+        message="the job to outlive its first lease",
+    )
+    query(
+        f"INSERT INTO {async_jobs.SPANS} (job_id, attempts, started, ended) VALUES (%s, 1, 0, %s)",
+        [job_id, async_jobs.WORD],
+    )
+    wait_until(lambda: status(job_id) == "done", message="the job to finish")
+    row = job_row(job_id)
+    assert (row["attempts"], row["last_error"], row["locked_until"]) == (1, None, None)
+    # It ran once, to its end, on its first attempt.
+    assert [(i, a) for i, a, *_ in ended()] == [(job_id, 1)]
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+    assert "no longer ours" not in worker.log() and "reaped job" not in worker.log()
+    assert "ran 1 jobs: 1 done" in worker.output()
+
+
 def test_a_lost_lease_cancels_the_task_and_records_nothing(workers: Workers, spans: None) -> None:
     job_id = Job.objects.enqueue(async_jobs.waits_for_cancel, {}).id
     worker = start(workers, "--lease", "3")
@@ -280,6 +319,28 @@ def test_sigterm_waits_for_the_running_async_jobs(workers: Workers, spans: None)
     assert all(status(i) == "done" for i in ids)
     assert sorted(i for i, *_ in ended()) == sorted(ids)
     assert "ran 20 jobs: 20 done" in worker.output()
+
+
+def test_async_jobs_still_running_after_the_shutdown_timeout_have_their_leases_ended(
+    workers: Workers, spans: None
+) -> None:
+    ids = naps(3, 3600, again=0.0)
+    worker = start(workers, "--shutdown-timeout", "1", "--poll-interval", "600")
+    wait_until(lambda: started() == 3, message="the 3 jobs to start")
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.tail()
+    assert "3 jobs still running after the 1 s shutdown timeout" in worker.log()
+    # Not done, not given back: running on their first attempt, their leases ended with the
+    # worker, so the next reap takes them back at once and counts no crash.
+    assert query(
+        "SELECT status, attempts, finished_at, locked_until < now(), count(*) FROM pgjobs_job "
+        "GROUP BY 1, 2, 3, 4"
+    ) == [("running", 1, None, True, 3)]
+    assert "0 lost, 0 cancelled; 0 released" in worker.output()
+    assert sorted(job_id for job_id, *_ in Job.objects.reap()) == sorted(ids)
+    assert query("SELECT DISTINCT status, crashes FROM pgjobs_job") == [("queued", 0)]
+    # None ran to its end.
+    assert not ended()
 
 
 def test_after_sigkill_the_jobs_come_back_through_their_leases_none_lost_or_doubled(

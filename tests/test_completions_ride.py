@@ -8,6 +8,7 @@ them a job."""
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,10 +27,9 @@ from django_pgjobs.worker.executor import Shared
 from django_pgjobs.worker.lease import LeaseMode
 from django_pgjobs.worker.outcomes import COMPLETE, WorkerStats
 from django_pgjobs.worker.store import Store
-from testproject import ride_audit
-from testproject.testjobs import noop
+from testproject.testjobs import noop, sleep
 from tests.helpers import listening, wait_until
-from tests.workers import Workers, counts, query, scalar
+from tests.workers import Workers, counts, done, query, ride_audit_installed, rides, scalar
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -345,10 +345,7 @@ def test_a_busy_worker_process_writes_completions_with_its_claims_unless_told_no
     workers: Workers, with_claims: bool
 ) -> None:
     # Every transaction that updates jobs notes how many it finished and how many it claimed.
-    with connection.cursor() as cursor:
-        for statement in ride_audit.INSTALL:
-            cursor.execute(statement)
-    try:
+    with ride_audit_installed():
         Job.objects.enqueue_many(noop, [{"n": n} for n in range(400)])
         worker = workers.burst(
             "--concurrency",
@@ -363,10 +360,45 @@ def test_a_busy_worker_process_writes_completions_with_its_claims_unless_told_no
         assert "ran 400 jobs: 400 done" in worker.output()
         # Some transactions did both (the completions rode with the claims), or, told not
         # to, none did.
-        ((both, _rode, finished),) = query(ride_audit.COUNTS)
+        both, _rode, finished = rides()
         assert (both > 0) is with_claims
         assert finished == 400
-    finally:
-        with connection.cursor() as cursor:
-            for statement in ride_audit.REMOVE:
-                cursor.execute(statement)
+
+
+def test_a_worker_whose_completions_ride_with_its_claims_writes_them_all_on_sigterm(
+    workers: Workers,
+) -> None:
+    # After the signal no claim comes: the completions held for one must be written apart.
+    total = 2000
+    with ride_audit_installed():
+        Job.objects.enqueue_many(sleep, [{"seconds": 0.01 + (i % 7) / 1000} for i in range(total)])
+        worker = workers.start(
+            "--concurrency",
+            "8",
+            "--poll-interval",
+            "600",
+            env={"PGJOBS_COMPLETE_WITH_CLAIM": "true"},
+        )
+        wait_until(lambda: done() >= 300, message="a few hundred jobs to be done")
+        worker.send(signal.SIGTERM)
+        assert worker.wait() == 0, worker.tail()
+
+        finished = counts()
+        # Every job it claimed is done, once; the rest are queued as they were enqueued.
+        assert set(finished) == {"done", "queued"} and finished["done"] < total
+        assert query(
+            "SELECT attempts, count(*) FROM pgjobs_job GROUP BY attempts ORDER BY attempts"
+        ) == [
+            (0, finished["queued"]),
+            (1, finished["done"]),
+        ]
+        assert query(
+            "SELECT count(*) FROM pgjobs_job WHERE status = 'queued' "
+            "AND (locked_until IS NOT NULL OR started_at IS NOT NULL)"
+        ) == [(0,)]
+        assert (
+            f"ran {finished['done']} jobs: {finished['done']} done, 0 to retry, 0 failed, "
+            "0 lost" in worker.output()
+        )
+        both, rode, written = rides()
+        assert both > 0 and 0 < rode <= written == finished["done"]

@@ -29,7 +29,7 @@ from django_pgjobs.notify import notifier
 from testproject.shop.jobs import send_confirmation
 from testproject.shop.models import Order
 from testproject.testjobs import noop, sleep
-from tests.helpers import job_row, listening, query, scalar
+from tests.helpers import job_row, listening, query, raw_connect, scalar
 
 NOOP = "testproject.testjobs.noop"
 
@@ -831,3 +831,59 @@ class PreparedEnqueueTests(TransactionTestCase):
             assert listener.quiet() == []
         assert self.prepared_inserts() == [1]
         assert list(Job.objects.values_list("id", flat=True)) == [kept.id]
+
+
+class LostConnectionTests(TransactionTestCase):
+    """An enqueue whose connection the server ends (a restart, a failover, an idle timeout)
+    raises Django's error, writes nothing, not even in part, and sends nothing; once Django
+    opens a new connection (at a request's end, or at once with ``CONN_HEALTH_CHECKS``) the
+    next enqueue works, on the prepared alias prepared again."""
+
+    databases: ClassVar[set[str]] = {"default", "prepared"}
+
+    def lose(self, alias: str) -> None:
+        """End the alias's connection from another session, as the server would."""
+        pid = connections[alias].connection.info.backend_pid
+        with raw_connect() as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+    def test_a_single_enqueue_on_a_lost_connection_raises_and_the_next_works(self) -> None:
+        for alias in ("default", "prepared"):
+            with self.subTest(alias=alias):
+                manager = Job.objects.db_manager(alias)
+                before = manager.enqueue(noop, {"n": f"{alias} before"})
+                self.lose(alias)
+                with listening() as listener:
+                    with pytest.raises(DatabaseError):
+                        manager.enqueue(noop, {"n": f"{alias} lost"})
+                    assert listener.quiet() == []
+                connections[alias].close()
+                after = manager.enqueue(noop, {"n": f"{alias} after"})
+                assert [job_row(i)["payload"]["n"] for i in (before.id, after.id)] == [
+                    f"{alias} before",
+                    f"{alias} after",
+                ]
+        assert not Job.objects.filter(payload__n__endswith="lost").exists()
+        assert Job.objects.count() == 4
+        # The prepared alias's new connection prepared the statement again.
+        assert (
+            scalar(
+                "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s",
+                ["%INSERT INTO pgjobs_job%"],
+                using="prepared",
+            )
+            == 1
+        )
+
+    def test_a_lost_connection_inside_atomic_loses_the_whole_transaction_not_half(self) -> None:
+        with pytest.raises(DatabaseError), transaction.atomic():
+            Order.objects.create(email="lost@example.com", total_cents=1)
+            noop.enqueue(n="first")
+            self.lose("default")
+            Job.objects.enqueue_many(noop, [{"n": n} for n in range(100)])
+        connection.close()
+        # Neither the order nor any job: the transaction they shared was never committed.
+        assert not Order.objects.exists()
+        assert Job.objects.count() == 0
+        ids = Job.objects.enqueue_many(noop, [{"n": n} for n in range(100)])
+        assert [job_row(i)["payload"]["n"] for i in ids] == list(range(100))

@@ -29,7 +29,9 @@ from tests.workers import (
     listener_backends,
     query,
     ran,
+    ride_audit_installed,
     ride_out_an_outage,
+    rides,
     scalar,
     terminate,
     undecodable_error,
@@ -49,16 +51,19 @@ def test_a_job_that_meets_a_lost_connection_is_released_not_failed(
 ) -> None:
     total = 600
     Job.objects.enqueue_many(count_orders, [{"pause": 0.02}] * total)
-    worker = workers.start(
-        "--concurrency",
-        "4",
-        *OUTAGE_OPTIONS,
-        test_jobs=True,
-        env={"PGJOBS_COMPLETE_WITH_CLAIM": str(with_claims).lower()},
-    )
-    ride_out_an_outage(worker, total, after=100, victims=6)
-    worker.send(signal.SIGTERM)
-    assert worker.wait() == 0
+    with ride_audit_installed():
+        worker = workers.start(
+            "--concurrency",
+            "4",
+            *OUTAGE_OPTIONS,
+            test_jobs=True,
+            env={"PGJOBS_COMPLETE_WITH_CLAIM": str(with_claims).lower()},
+        )
+        ride_out_an_outage(worker, total, after=100, victims=6)
+        worker.send(signal.SIGTERM)
+        assert worker.wait() == 0
+        # The mode was really in use: completions rode with claims, or, told not to, none did.
+        assert (rides()[0] > 0) is with_claims
     # Released, not retried or failed: the summary counts them apart.
     assert re.search(
         r"jobs: \d+ done, 0 to retry, 0 failed, \d+ lost, 0 cancelled; [1-9]\d* released",

@@ -15,7 +15,18 @@ from django_pgjobs.models import Job
 from scripts.pgserver import ThrowawayPostgres
 from testproject.testjobs import sleep
 from tests.helpers import PATIENCE, wait_until
-from tests.workers import SLEEP, Process, Workers, counts, done, listener_backends, query, terminate
+from tests.workers import (
+    SLEEP,
+    Process,
+    Workers,
+    counts,
+    done,
+    listener_backends,
+    query,
+    ride_audit_installed,
+    rides,
+    terminate,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -39,12 +50,22 @@ def assert_reconnected(worker: Process) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("with_claims", [False, True], ids=["apart", "completions-with-claims"])
 def test_sigkill_mid_run_then_reap_and_a_fresh_worker_finish_everything(
-    workers: Workers,
+    workers: Workers, with_claims: bool
 ) -> None:
+    with ride_audit_installed():
+        sigkill_mid_run_then_reap_and_finish(workers, with_claims)
+        # The mode was really in use: completions rode with claims, or, told not to, none did.
+        both, _rode, _written = rides()
+        assert (both > 0) is with_claims
+
+
+def sigkill_mid_run_then_reap_and_finish(workers: Workers, with_claims: bool) -> None:
     total = 2000
+    ride = {"PGJOBS_COMPLETE_WITH_CLAIM": str(with_claims).lower()}
     Job.objects.enqueue_many(sleep, [{"seconds": 0.01 + (i % 11) / 1000} for i in range(total)])
-    worker = workers.start("--concurrency", "8", "--lease", "2")
+    worker = workers.start("--concurrency", "8", "--lease", "2", env=ride)
     wait_until(lambda: done() >= 300, message="a few hundred jobs to be done")
 
     worker.send(signal.SIGKILL)
@@ -71,7 +92,7 @@ def test_sigkill_mid_run_then_reap_and_a_fresh_worker_finish_everything(
     )
     reaper = workers.run("reapjobs")
     assert f"reaped {len(at_kill)} jobs: {len(at_kill)} requeued, 0 failed" in reaper.output()
-    workers.burst("--concurrency", "8", timeout=3 * PATIENCE)
+    workers.burst("--concurrency", "8", timeout=3 * PATIENCE, env=ride)
 
     assert counts() == {"done": total}
     # The crash counted as an attempt for exactly the jobs it interrupted; none ran more often.

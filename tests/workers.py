@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -37,6 +38,7 @@ from django.db import DatabaseError, connection, connections, transaction
 
 import tests.retry_jobs  # noqa: F401 - a worker with test_jobs=True runs these jobs too
 from django_pgjobs import current_job, job, sql
+from testproject import ride_audit
 from tests import signal_receivers  # noqa: F401 - and has these receivers, when its env asks
 from tests.helpers import PATIENCE, job_row, wait_until
 
@@ -532,6 +534,28 @@ def ride_out_an_outage(process: Process, total: int, *, after: int, victims: int
     assert "met a database outage; releasing it (attempt not counted)" in log, log
     assert "reconnected to database default" in log, log
     return log
+
+
+@contextlib.contextmanager
+def ride_audit_installed() -> Iterator[None]:
+    """For the block, note each transaction that updates jobs, with how many it finished and
+    claimed (``testproject.ride_audit``): ``rides()`` reads the sums."""
+    with connection.cursor() as cursor:
+        for statement in ride_audit.INSTALL:
+            cursor.execute(statement)
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            for statement in ride_audit.REMOVE:
+                cursor.execute(statement)
+
+
+def rides() -> tuple[int, int, int]:
+    """The transactions that both finished and claimed jobs, the completions they wrote, and
+    every completion written, since ``ride_audit_installed()`` began."""
+    ((both, rode, finished),) = query(ride_audit.COUNTS)
+    return int(both), int(rode), int(finished)
 
 
 def terminate(pids: list[int]) -> int:
