@@ -38,6 +38,8 @@ from benchmarks.workloads import ceiling_script  # noqa: E402
 from django_pgjobs import registry, sql  # noqa: E402
 
 BATCH = 10
+# The advisory lock the claims of --turns take one at a time.
+TURNS_LOCK = 4242
 
 
 def find(program: str) -> str:
@@ -126,28 +128,47 @@ def drain(admin: Admin, script: Path, target: str, clients: int, jobs: int) -> f
     return jobs / seconds
 
 
+def turns_script(plain: str) -> str:
+    """``plain`` with each claim in a transaction that first takes one advisory lock, held
+    until it commits: the fleet's claims one at a time, each with a snapshot taken after
+    the claim before it committed."""
+    claim, complete = plain.split("\\gset\n")
+    return (
+        f"BEGIN;\nSELECT pg_advisory_xact_lock({TURNS_LOCK});\n{claim}\\gset\nCOMMIT;\n{complete}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="4,16,64", help="client counts (default 4,16,64)")
     parser.add_argument("--pool", type=int, default=8, help="PgBouncer's server connections")
     parser.add_argument("--jobs", type=int, default=20_000, help="jobs per drain")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each of every drain")
+    parser.add_argument(
+        "--turns",
+        action="store_true",
+        help="also direct, with the claims taking turns under one advisory lock",
+    )
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     url = os.environ["DATABASE_URL"]
     admin = Admin(url)
     rates: dict[tuple[int, str], list[float]] = {}
+    ways = ["direct", "pooled", *(["turns"] if args.turns else [])]
     with tempfile.TemporaryDirectory(prefix="pgjobs-pooled-") as scratch:
         folder = Path(scratch)
-        script = folder / "claim_complete.sql"
-        script.write_text(ceiling_script(BATCH))
-        script.chmod(0o644)
+        plain = ceiling_script(BATCH)
+        scripts = {"direct": plain, "pooled": plain, "turns": turns_script(plain)}
         bouncer, pooled = start_pgbouncer(url, args.pool, folder)
+        targets = {"direct": url, "pooled": pooled, "turns": url}
         try:
+            for way in ways:
+                (folder / f"{way}.sql").write_text(scripts[way])
+                (folder / f"{way}.sql").chmod(0o644)
             for _ in range(args.rounds):
                 for clients in counts:
-                    for way, target in (("direct", url), ("pooled", pooled)):
-                        rate = drain(admin, script, target, clients, args.jobs)
+                    for way in ways:
+                        rate = drain(admin, folder / f"{way}.sql", targets[way], clients, args.jobs)
                         rates.setdefault((clients, way), []).append(rate)
         finally:
             bouncer.terminate()
@@ -155,10 +176,10 @@ def main() -> None:
             admin.run("TRUNCATE pgjobs_job")
             admin.close()
     print(f"jobs/s, median (min - max) of {args.rounds} rounds; pooled: {args.pool} connections")
-    print(f"{'clients':>7} | {'direct':>24} | {'pooled':>24} | pooled / direct")
+    print(f"{'clients':>7} | " + " | ".join(f"{way:>24}" for way in ways) + " | pooled / direct")
     for clients in counts:
         cells = []
-        for way in ("direct", "pooled"):
+        for way in ways:
             values = rates[(clients, way)]
             cells.append(
                 f"{statistics.median(values):>8,.0f} ({min(values):,.0f} - {max(values):,.0f})"
@@ -166,9 +187,9 @@ def main() -> None:
         ratio = statistics.median(rates[(clients, "pooled")]) / statistics.median(
             rates[(clients, "direct")]
         )
-        print(f"{clients:>7} | {cells[0]:>24} | {cells[1]:>24} | {ratio:.2f}x")
+        print(f"{clients:>7} | " + " | ".join(f"{c:>24}" for c in cells) + f" | {ratio:.2f}x")
     for fewer, more in itertools.pairwise(counts):
-        for way in ("direct", "pooled"):
+        for way in ways:
             fall = statistics.median(rates[(more, way)]) / statistics.median(rates[(fewer, way)])
             print(f"{way}: {more} clients / {fewer}: {fall:.2f}x")
 
