@@ -201,3 +201,18 @@ class Server(AbstractContextManager["Server"]):
 
 def pgbench_params(statement: str) -> list[str]:
     return re.findall(r"%\((\w+)\)s", statement)
+
+
+def pgbench_figures(stdout: str) -> dict[str, Any]:
+    """The transactions of a pgbench run and their seconds, from pgbench's own report: the
+    time its clients took to connect is not counted."""
+    processed = re.search(r"number of transactions actually processed: (\d+)", stdout)
+    tps = re.search(r"tps = ([\d.]+) \(without initial connection time\)", stdout)
+    if not processed or not tps:
+        raise BenchAbort(f"could not read pgbench's output:\n{stdout[-2000:]}")
+    transactions = int(processed.group(1))
+    return {
+        "transactions": transactions,
+        "tps": float(tps.group(1)),
+        "seconds": transactions / float(tps.group(1)),
+    }

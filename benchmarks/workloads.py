@@ -23,7 +23,7 @@ from typing import IO, Any
 
 from django.db import connections, transaction
 
-from benchmarks.db import TASK, Admin, BenchAbort, pgbench_params
+from benchmarks.db import TASK, Admin, BenchAbort, pgbench_figures, pgbench_params
 from benchmarks.jobs import doze, nap, stamp
 from benchmarks.proc import ServerCpu, rss_bytes
 from benchmarks.sizes import Sizes
@@ -614,16 +614,7 @@ class Bench:
         self.log.flush()
         if result.returncode != 0:
             raise BenchAbort(f"pgbench exited with {result.returncode}: {result.stderr[-2000:]}")
-        processed = re.search(r"number of transactions actually processed: (\d+)", result.stdout)
-        tps = re.search(r"tps = ([\d.]+) \(without initial connection time\)", result.stdout)
-        if not processed or not tps:
-            raise BenchAbort(f"could not read pgbench's output:\n{result.stdout[-2000:]}")
-        transactions = int(processed.group(1))
-        return {
-            "transactions": transactions,
-            "tps": float(tps.group(1)),
-            "seconds": transactions / float(tps.group(1)),
-        }
+        return pgbench_figures(result.stdout)
 
     # -- scrape -----------------------------------------------------------------------------
 
