@@ -118,14 +118,42 @@ def test_a_month_without_its_partition_keeps_its_jobs_until_the_function_makes_i
 def test_the_function_drops_the_months_past_the_retention_and_keeps_the_rest() -> None:
     partition([])
     run("ALTER TABLE pgjobs_job_archive DETACH PARTITION pgjobs_job_archive_before")
-    run("SELECT pgjobs_archive_months(12)")
-    archived = finished(2)
+    # Two months of the past, as a year of daily calls would have left them, one job in each.
+    for ago in (13, 12):
+        run(
+            f"CREATE TABLE {month(-ago)} PARTITION OF pgjobs_job_archive FOR VALUES FROM "
+            f"((date_trunc('month', now() AT TIME ZONE 'UTC') - interval '{ago} months') "
+            "AT TIME ZONE 'UTC') TO ((date_trunc('month', now() AT TIME ZONE 'UTC') - "
+            f"interval '{ago - 1} months') AT TIME ZONE 'UTC')"
+        )
+    # A retention longer than that makes this month's partition and drops nothing.
+    run("SELECT pgjobs_archive_months(24)")
+    assert set(partitions()) == {month(-13), month(-12), month(0), month(1), month(2)}
+    [old, kept] = finished(2)
     assert Job.objects.prune(older_than=WEEK, archive=True) == 2
-    # Called again, it creates nothing twice and drops nothing within 12 months.
+    query(
+        "UPDATE pgjobs_job_archive SET archived_at = archived_at - make_interval(months => %s) "
+        "WHERE id = %s RETURNING id",
+        [13, old],
+    )
+    query(
+        "UPDATE pgjobs_job_archive SET archived_at = archived_at - make_interval(months => %s) "
+        "WHERE id = %s RETURNING id",
+        [12, kept],
+    )
+    assert partitions()[month(-13)] == [old] and partitions()[month(-12)] == [kept]
+
+    # Keeping 12 months drops the 13th month back, with its job, and nothing later; called
+    # again, it makes and drops nothing more.
     run("SELECT pgjobs_archive_months(12)")
-    assert partitions() == {month(0): archived, month(1): [], month(2): []}
-    # A retention that ends next month: this month's partition goes, with its jobs, at once;
-    # the months from the cut on stay.
+    run("SELECT pgjobs_archive_months(12)")
+    assert partitions() == {month(-12): [kept], month(0): [], month(1): [], month(2): []}
+    assert list(ArchivedJob.objects.values_list("id", flat=True)) == [kept]
+
+
+def test_the_function_leaves_the_partition_of_what_was_archived_before() -> None:
+    before = finished(2)
+    partition(before)
+    # A retention that ends next month drops every month before it, but not this one.
     run("SELECT pgjobs_archive_months(-1)")
-    assert partitions() == {month(1): [], month(2): []}
-    assert ArchivedJob.objects.count() == 0
+    assert partitions() == {"pgjobs_job_archive_before": before, month(1): [], month(2): []}
