@@ -30,6 +30,7 @@ from tests.workers import (
     query,
     scalar,
     terminate,
+    wait_until_it_outlives_its_lease,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -263,24 +264,7 @@ def test_heartbeats_keep_an_async_jobs_lease_past_its_length(workers: Workers, s
     # back (the heartbeat, every lease/3, leaves 4 s for a busy machine to be late).
     worker = start(workers, "--lease", "6", "--reap-interval", "0.5")
     wait_until(lambda: status(job_id) == "running", message="the job to start")
-    seen = [job_row(job_id)["locked_until"]]
-
-    def extended() -> bool:
-        row = job_row(job_id)
-        assert (row["status"], row["attempts"]) == ("running", 1), "the job was taken back"
-        if row["locked_until"] > seen[-1]:
-            seen.append(row["locked_until"])
-        return len(seen) >= 4
-
-    wait_until(extended, message="the lease to be extended three times")
-    wait_until(
-        lambda: scalar(
-            "SELECT status = 'running' AND attempts = 1 AND now() > started_at + interval '7 s' "
-            "AND locked_until > now() FROM pgjobs_job WHERE id = %s",
-            [job_id],
-        ),
-        message="the job to outlive its first lease",
-    )
+    wait_until_it_outlives_its_lease(job_id, lease=6)
     query(
         f"INSERT INTO {async_jobs.SPANS} (job_id, attempts, started, ended) VALUES (%s, 1, 0, %s)",
         [job_id, async_jobs.WORD],

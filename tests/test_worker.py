@@ -14,7 +14,15 @@ from django_pgjobs.models import Job
 from testproject.shop.models import Order
 from testproject.testjobs import boom, long_running, noop
 from tests.helpers import db_now, job_row, make_job, raw_connect, wait_until
-from tests.workers import Workers, counts, query, ran, scalar, until_order
+from tests.workers import (
+    Workers,
+    counts,
+    query,
+    ran,
+    scalar,
+    until_order,
+    wait_until_it_outlives_its_lease,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -168,26 +176,7 @@ def test_heartbeat_keeps_a_job_longer_than_its_lease_owned(workers: Workers) -> 
     worker = workers.start("--lease", "3", "--reap-interval", "0.5", test_jobs=True)
 
     wait_until(lambda: status(job_id) == "running", message="the job to start")
-    seen = [job_row(job_id)["locked_until"]]
-
-    def extended() -> bool:
-        row = job_row(job_id)
-        assert (row["status"], row["attempts"]) == ("running", 1), "the job was taken back"
-        if row["locked_until"] > seen[-1]:
-            seen.append(row["locked_until"])
-        return len(seen) >= 4
-
-    wait_until(extended, message="the lease to be extended three times")
-    assert seen == sorted(seen)
-    # Running past the first lease: now() is beyond started_at + 3 s and it is still ours.
-    wait_until(
-        lambda: scalar(
-            "SELECT status = 'running' AND attempts = 1 AND now() > started_at + interval '4 s' "
-            "AND locked_until > now() FROM pgjobs_job WHERE id = %s",
-            [job_id],
-        ),
-        message="the job to outlive its first lease",
-    )
+    wait_until_it_outlives_its_lease(job_id, lease=3)
 
     Order.objects.create(email="heartbeat@example.com", total_cents=1)
     wait_until(lambda: status(job_id) == "done", message="the job to finish")

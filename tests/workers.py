@@ -536,6 +536,31 @@ def ride_out_an_outage(process: Process, total: int, *, after: int, victims: int
     return log
 
 
+def wait_until_it_outlives_its_lease(job_id: int, lease: int) -> None:
+    """Wait until the running job's lease was extended three times, in order, and the job has
+    run a second past its first ``lease`` seconds, still ours: failing at once if it was taken
+    back."""
+    seen = [job_row(job_id)["locked_until"]]
+
+    def extended() -> bool:
+        row = job_row(job_id)
+        assert (row["status"], row["attempts"]) == ("running", 1), "the job was taken back"
+        if row["locked_until"] > seen[-1]:
+            seen.append(row["locked_until"])
+        return len(seen) >= 4
+
+    wait_until(extended, message="the lease to be extended three times")
+    assert seen == sorted(seen)
+    wait_until(
+        lambda: scalar(
+            "SELECT status = 'running' AND attempts = 1 AND now() > started_at + "
+            "make_interval(secs => %s) AND locked_until > now() FROM pgjobs_job WHERE id = %s",
+            [lease + 1, job_id],
+        ),
+        message="the job to outlive its first lease",
+    )
+
+
 @contextlib.contextmanager
 def ride_audit_installed() -> Iterator[None]:
     """For the block, note each transaction that updates jobs, with how many it finished and
