@@ -29,6 +29,7 @@ from django_pgjobs.worker.executor import MAX_OUTAGE_RELEASES
 from django_pgjobs.worker.outcomes import RELEASE, Outcome, WorkerStats
 from django_pgjobs.worker.store import Store
 from scripts.pgserver import ThrowawayPostgres
+from testproject.shop.models import Order
 from testproject.testjobs import (
     connect_elsewhere,
     drop_own_connection,
@@ -45,6 +46,7 @@ from tests.workers import (
     counts,
     leave_a_transaction_open,
     query_on_a_copy_too,
+    stuck_until_order,
     write_order,
 )
 
@@ -370,10 +372,18 @@ def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(
 
 
 def test_a_second_signal_ends_the_leases_it_holds(workers: Workers) -> None:
-    # Ten-minute jobs and shutdown timeout: only the second signal can end this worker.
-    jobs = Job.objects.enqueue_many(sleep, [{"seconds": 600}] * 2)
-    worker = workers.start("--concurrency", "2", "--lease", "300", "--shutdown-timeout", "600")
-    wait_until(lambda: counts().get("running") == 2, timeout=30, message="both running")
+    # Jobs that run until told and a ten-minute shutdown timeout: only the second signal can
+    # end this worker.
+    jobs = Job.objects.enqueue_many(stuck_until_order, [{"email": "a"}, {"email": "b"}])
+    worker = workers.start(
+        "--concurrency", "2", "--lease", "300", "--shutdown-timeout", "600", test_jobs=True
+    )
+    # Both functions run, not only their claims: a stop while a claim is on its way to the
+    # executors gives its jobs back unstarted, and the worker exits on the first signal.
+    wait_until(
+        lambda: Order.objects.filter(email__startswith="started:").count() == 2,
+        message="both jobs to start",
+    )
     worker.send(signal.SIGINT)
     worker.wait_for_log("SIGINT: stopping")
     worker.send(signal.SIGINT)
