@@ -402,9 +402,6 @@ def test_the_next_job_of_a_key_or_a_limit_starts_as_the_last_outcome_is_written(
     )
 
 
-UNTIL_ORDER = "tests.workers.until_order"
-
-
 def test_a_slot_freed_by_another_workers_job_wakes_a_worker_waiting_on_the_limit(
     workers: Workers,
 ) -> None:
@@ -412,10 +409,17 @@ def test_a_slot_freed_by_another_workers_job_wakes_a_worker_waiting_on_the_limit
     # not claim the second; the other worker's claim came back short (the limit) and its poll
     # is ten minutes away: only word of the freed slot can start the second job.
     Job.objects.set_limits("single", concurrency=1)
-    first = Job.objects.enqueue(UNTIL_ORDER, {"email": "first@example.com"}, queue="single").id
+    first = Job.objects.enqueue(
+        "tests.workers.stuck_until_order", {"email": "first@example.com"}, queue="single"
+    ).id
     quiet = ("--poll-interval", "600", "--reap-interval", "600")
     stopping = workers.start("--queue", "single", *quiet, test_jobs=True)
-    wait_until(lambda: job_row(first)["status"] == "running", message="the first job to start")
+    # Its function runs, not only its claim: a stop that met the claim on its way back would
+    # give the job back, for the waiting worker to run.
+    wait_until(
+        lambda: Order.objects.filter(email="started:first@example.com").exists(),
+        message="the first job to start",
+    )
     second = Job.objects.enqueue("testproject.testjobs.noop", {}, queue="single").id
     waiting = workers.start("--queue", "single", *quiet, test_jobs=True)
     asleep_after_a_short_claim(waiting, listeners=2)
