@@ -374,14 +374,17 @@ def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(
 def test_a_second_signal_ends_the_leases_it_holds(workers: Workers) -> None:
     # Jobs that run until told and a ten-minute shutdown timeout: only the second signal can
     # end this worker.
-    jobs = Job.objects.enqueue_many(stuck_until_order, [{"email": "a"}, {"email": "b"}])
+    # Two attempts each, so that the reap can requeue them (this job's own default is one).
+    jobs = Job.objects.enqueue_many(
+        stuck_until_order, [{"email": "a"}, {"email": "b"}], max_attempts=2
+    )
     worker = workers.start(
         "--concurrency", "2", "--lease", "300", "--shutdown-timeout", "600", test_jobs=True
     )
     # Both functions run, not only their claims: a stop while a claim is on its way to the
     # executors gives its jobs back unstarted, and the worker exits on the first signal.
     wait_until(
-        lambda: Order.objects.filter(email__startswith="started:").count() == 2,
+        lambda: Order.objects.filter(email__in=["started:a", "started:b"]).count() == 2,
         message="both jobs to start",
     )
     worker.send(signal.SIGINT)
@@ -389,13 +392,15 @@ def test_a_second_signal_ends_the_leases_it_holds(workers: Workers) -> None:
     worker.send(signal.SIGINT)
     assert worker.wait(30) == 1
     assert "the leases of 2 jobs it held end now" in worker.log()
-    # Expired now, not in 300 s: the next reap takes them back.
+    # Expired now, not in 300 s: the next reap requeues them, each with its attempt kept and
+    # no crash counted (the worker ended the leases; it did not die holding them).
     for job_id in jobs:
         assert query("SELECT locked_until <= now() FROM pgjobs_job WHERE id = %s", [job_id]) == [
             (True,)
         ]
     reaped = Job.objects.reap()
-    assert sorted(row.id for row in reaped) == sorted(jobs)
+    assert sorted(reaped) == [(job_id, "queued", 1) for job_id in sorted(jobs)]
+    assert query("SELECT crashes FROM pgjobs_job WHERE id = ANY(%s)", [jobs]) == [(0,), (0,)]
 
 
 def wakeups(thread: threading.Thread) -> int:
