@@ -29,7 +29,6 @@ from django_pgjobs.worker.executor import MAX_OUTAGE_RELEASES
 from django_pgjobs.worker.outcomes import RELEASE, Outcome, WorkerStats
 from django_pgjobs.worker.store import Store
 from scripts.pgserver import ThrowawayPostgres
-from testproject.shop.models import Order
 from testproject.testjobs import (
     connect_elsewhere,
     drop_own_connection,
@@ -47,6 +46,7 @@ from tests.workers import (
     leave_a_transaction_open,
     query_on_a_copy_too,
     stuck_until_order,
+    stuck_until_order_started,
     write_order,
 )
 
@@ -373,8 +373,8 @@ def test_an_outage_longer_than_the_lease_fails_nothing_that_ran(
 
 def test_a_second_signal_ends_the_leases_it_holds(workers: Workers) -> None:
     # Jobs that run until told and a ten-minute shutdown timeout: only the second signal can
-    # end this worker.
-    # Two attempts each, so that the reap can requeue them (this job's own default is one).
+    # end this worker. Two attempts each (the job's own default is one), so that the reap
+    # can requeue them.
     jobs = Job.objects.enqueue_many(
         stuck_until_order, [{"email": "a"}, {"email": "b"}], max_attempts=2
     )
@@ -383,10 +383,7 @@ def test_a_second_signal_ends_the_leases_it_holds(workers: Workers) -> None:
     )
     # Both functions run, not only their claims: a stop while a claim is on its way to the
     # executors gives its jobs back unstarted, and the worker exits on the first signal.
-    wait_until(
-        lambda: Order.objects.filter(email__in=["started:a", "started:b"]).count() == 2,
-        message="both jobs to start",
-    )
+    wait_until(lambda: stuck_until_order_started("a", "b"), message="both jobs to start")
     worker.send(signal.SIGINT)
     worker.wait_for_log("SIGINT: stopping")
     worker.send(signal.SIGINT)

@@ -39,7 +39,15 @@ from tests.helpers import (
     wait_until,
     worker_record,
 )
-from tests.workers import SLEEP, Process, Workers, listener_statements, query, scalar
+from tests.workers import (
+    SLEEP,
+    Process,
+    Workers,
+    listener_statements,
+    query,
+    scalar,
+    stuck_until_order_started,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -417,8 +425,7 @@ def test_a_slot_freed_by_another_workers_job_wakes_a_worker_waiting_on_the_limit
     # Its function runs, not only its claim: a stop that met the claim on its way back would
     # give the job back, for the waiting worker to run.
     wait_until(
-        lambda: Order.objects.filter(email="started:first@example.com").exists(),
-        message="the first job to start",
+        lambda: stuck_until_order_started("first@example.com"), message="the first job to start"
     )
     second = Job.objects.enqueue("testproject.testjobs.noop", {}, queue="single").id
     waiting = workers.start("--queue", "single", *quiet, test_jobs=True)

@@ -19,6 +19,7 @@ from tests.workers import (
     running,
     scalar,
     stuck_until_order,
+    stuck_until_order_started,
     stuck_with_an_exiting_backoff,
     until_order,
     write_order,
@@ -153,7 +154,7 @@ def test_a_shutdown_does_not_wait_for_a_job_that_times_out_during_it(workers: Wo
     worker = workers.start("--lease", "5", "--shutdown-timeout", "600", test_jobs=True)
     # The function itself runs, not only its claim: a stop while the claim is on its way
     # back gives the job back unstarted, with no timeout to fail it.
-    wait_until(lambda: ordered("started:late"), message="the job to start")
+    wait_until(lambda: stuck_until_order_started("late"), message="the job to start")
     assert job_row(job_id)["status"] == "running"
     worker.send(signal.SIGTERM)
     worker.wait_for_log("SIGTERM: stopping")

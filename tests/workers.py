@@ -655,6 +655,14 @@ def stuck_until_order(email: str) -> None:
     wait_until(released, interval=0.05, message=f"an order for {email}")
 
 
+def stuck_until_order_started(*emails: str) -> bool:
+    """Whether ``stuck_until_order`` has started for every one of ``emails``."""
+    from testproject.shop.models import Order
+
+    started = [f"started:{email}" for email in emails]
+    return Order.objects.filter(email__in=started).count() == len(started)
+
+
 @job
 def kill_worker() -> None:
     """End the worker process at once, as an out-of-memory kill or a segfault would."""
