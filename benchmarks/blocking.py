@@ -11,7 +11,7 @@ backend waiting on a heavyweight lock with the statement that blocks it
 (``pg_blocking_pids``), and every 200 ms the row locks on the table (the ``pgrowlocks``
 extension, created if it is missing: that needs the right to create it) with the status of
 the locked row and the statement its holder runs. Twice during the run it ``EXPLAIN
-ANALYZE``s the real ``sql.CLAIM`` in a transaction it rolls back, so its rows stay queued.
+ANALYZE``s the real ``claim.CLAIM`` in a transaction it rolls back, so its rows stay queued.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import psycopg  # noqa: E402
 
 from benchmarks.claimers import drain  # noqa: E402
 from benchmarks.db import TASK, Admin  # noqa: E402
-from django_pgjobs import conf, registry, sql  # noqa: E402
+from django_pgjobs import conf, registry  # noqa: E402
+from django_pgjobs.core import claim, execute  # noqa: E402
 from django_pgjobs.models import Job  # noqa: E402
 
 STATEMENT = """CASE WHEN {0}.query LIKE '%jsonb_to_recordset%' THEN 'complete'
@@ -88,11 +89,11 @@ def explain_claim(conn: psycopg.Connection[Any]) -> str:
         "worker_id": "blocking",
         "synchronous_commit": None,
         "suspects": False,
-        "tasks": sql.TextArray.of(registry.names()) if conf.claim_registered_only() else None,
+        "tasks": execute.TextArray.of(registry.names()) if conf.claim_registered_only() else None,
     }
     with conn.transaction(force_rollback=True):
         rows = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + sql.CLAIM, params
+            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + claim.CLAIM, params
         ).fetchall()
     return "\n".join(row[0] for row in rows)
 

@@ -28,7 +28,8 @@ django.setup()
 
 from django.db import connections  # noqa: E402
 
-from django_pgjobs import sql, validation  # noqa: E402
+from django_pgjobs import validation  # noqa: E402
+from django_pgjobs.core import enqueue, execute  # noqa: E402
 from django_pgjobs.models import Job  # noqa: E402
 
 TASK = "testproject.testjobs.noop"
@@ -113,16 +114,16 @@ def main() -> None:
                 lambda i: on_prepared.enqueue(TASK, {"n": i}),
             ),
             (
-                "  ENQUEUE_ONE alone (sql.run)",
-                lambda i: sql.run(connection, sql.ENQUEUE_ONE, params),
+                "  ENQUEUE_ONE alone (execute.run)",
+                lambda i: execute.run(connection, enqueue.ENQUEUE_ONE, params),
             ),
             (
                 "  ENQUEUE_ONE alone, prepared",
-                lambda i: sql.run(prepared, sql.ENQUEUE_ONE, params),
+                lambda i: execute.run(prepared, enqueue.ENQUEUE_ONE, params),
             ),
             (
                 "  ENQUEUE_ONE without its NOTIFY",
-                lambda i: sql.run(connection, sql.ENQUEUE_ONE, quiet),
+                lambda i: execute.run(connection, enqueue.ENQUEUE_ONE, quiet),
             ),
             ("  client: _plan() (resolve, validate, encode)", planned),
             ("  client: validation.payload()", lambda i: validation.payload({"n": i})),

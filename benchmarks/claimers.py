@@ -2,8 +2,8 @@
 
 Each thread claims with the worker's own ``Store`` (direct psycopg connection, the worker's
 ``PREPARE``, ``WORKER_SYNCHRONOUS_COMMIT``, lease and registry filter) the way a busy worker
-claims an unguarded queue (``sql.CLAIM``, suspects left out), then completes what it got with
-the fenced ``sql.COMPLETE``, until every job of the queue has been claimed. Python's GIL is
+claims an unguarded queue (``claim.CLAIM``, suspects left out), then completes what it got with
+the fenced ``finish.COMPLETE``, until every job of the queue has been claimed. Python's GIL is
 released while a thread waits for the server, so the threads wait on the database side by
 side; what they cost in Python is the same per claim for every count.
 
@@ -31,7 +31,7 @@ import psycopg
 from benchmarks.db import BenchAbort
 from django_pgjobs import conf, registry
 from django_pgjobs.connections import connection_params
-from django_pgjobs.lifecycle import default_worker_id
+from django_pgjobs.core.types import default_worker_id
 from django_pgjobs.worker.store import Store
 
 SAMPLE_GAP = 0.05  # seconds between two samples of the backends' wait events

@@ -11,10 +11,10 @@ One connection, prepared statements and the worker's commit setting, as the work
 connections run them, drains ``--jobs`` queued no-op jobs ``--batch`` at a time in two ways,
 taking turns round by round:
 
-- *two statements*: the fenced ``sql.COMPLETE`` of the previous batch, then ``sql.CLAIM``
+- *two statements*: the fenced ``finish.COMPLETE`` of the previous batch, then ``claim.CLAIM``
   of the next, each its own transaction (the worker's completer and producer, one after the
   other);
-- *one statement*: ``sql.CLAIM_COMPLETING``, the same ``COMPLETE`` as a data-modifying CTE
+- *one statement*: ``claim.CLAIM_COMPLETING``, the same ``COMPLETE`` as a data-modifying CTE
   of the same claim, as a busy worker's completions ride with its next claim.
 
 It prints, per job, the median over the rounds of the wall time and of the server backend's
@@ -37,8 +37,8 @@ django.setup()
 
 import psycopg  # noqa: E402
 
-from django_pgjobs import sql  # noqa: E402
 from django_pgjobs.connections import connection_params  # noqa: E402
+from django_pgjobs.core import claim, finish  # noqa: E402
 
 TASK = "testproject.testjobs.noop"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -79,8 +79,8 @@ def claims_of(rows: list[tuple[Any, ...]]) -> str:
 
 def drain(conn: psycopg.Connection[Any], batch: int, together: bool, base: dict[str, Any]) -> int:
     """Claim and complete until the queue is empty; return how many jobs were claimed."""
-    claim = sql.limited(sql.CLAIM, batch)
-    both = sql.limited(sql.CLAIM_COMPLETING, batch)
+    claim_only = claim.limited(claim.CLAIM, batch)
+    both = claim.limited(claim.CLAIM_COMPLETING, batch)
     done = 0
     previous: list[tuple[Any, ...]] = []
     while True:
@@ -90,8 +90,8 @@ def drain(conn: psycopg.Connection[Any], batch: int, together: bool, base: dict[
             previous = [row[:-1] for row in rows.fetchall() if row[0] is not None]
         else:
             if previous:
-                conn.execute(sql.COMPLETE, base | {"claims": claims_of(previous)}, prepare=True)
-            previous = conn.execute(claim, base, prepare=True).fetchall()
+                conn.execute(finish.COMPLETE, base | {"claims": claims_of(previous)}, prepare=True)
+            previous = conn.execute(claim_only, base, prepare=True).fetchall()
         if not previous:
             return done
         done += len(previous)

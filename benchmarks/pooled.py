@@ -8,7 +8,7 @@ it empties ``pgjobs_job`` before each drain::
         python -m benchmarks.pooled [--clients 4,16,64] [--pool 8] [--jobs 20000] \\
         [--rounds 3] [--turns]
 
-Each drain is pgbench running ``sql.CLAIM`` of 10 then ``sql.COMPLETE`` (each its own
+Each drain is pgbench running ``claim.CLAIM`` of 10 then ``finish.COMPLETE`` (each its own
 transaction, the script of the claimers section's pgbench rows) over fresh jobs with N
 clients, connected two ways: to the database, and to a PgBouncer this script starts in
 transaction mode with ``--pool`` server connections. ``--turns`` adds a third: to the
@@ -44,7 +44,8 @@ django.setup()
 
 from benchmarks.db import Admin, BenchAbort, find_pgbench, pgbench_figures  # noqa: E402
 from benchmarks.workloads import ceiling_script  # noqa: E402
-from django_pgjobs import registry, sql  # noqa: E402
+from django_pgjobs import registry  # noqa: E402
+from django_pgjobs.core import execute  # noqa: E402
 
 BATCH = 10
 # The advisory lock the claims of --turns take one at a time.
@@ -123,7 +124,7 @@ def drain(admin: Admin, script: Path, target: str, clients: int, jobs: int) -> f
         f"--transactions={-(-jobs // (clients * BATCH))}",
         f"--file={script}",
         *("-D", "queue=default", "-D", "lease=300 seconds", "-D", "worker_id=pgbench"),
-        *("-D", "suspects=false", "-D", f"tasks={sql.TextArray.of(registry.names())}"),
+        *("-D", "suspects=false", "-D", f"tasks={execute.TextArray.of(registry.names())}"),
         *("-D", "synchronous_commit=off"),
         target,
     ]

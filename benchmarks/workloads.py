@@ -27,8 +27,10 @@ from benchmarks.db import TASK, Admin, BenchAbort, pgbench_figures, pgbench_para
 from benchmarks.jobs import doze, nap, stamp
 from benchmarks.proc import ServerCpu, rss_bytes
 from benchmarks.sizes import Sizes
-from django_pgjobs import conf, registry, sql
+from django_pgjobs import conf, registry
+from django_pgjobs.core import claim, execute, finish
 from django_pgjobs.models import Job
+from django_pgjobs.ops import dashboard
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_TIMEOUT = 900.0  # seconds; a worker running longer than this is stuck: abort
@@ -509,7 +511,7 @@ class Bench:
     # -- the SQL ceiling --------------------------------------------------------------------
 
     def ceiling(self, clients: int | None = None, jobs: int | None = None) -> dict[str, Any]:
-        """pgbench with sql.CLAIM and sql.COMPLETE: claim ``batch`` in one transaction,
+        """pgbench with claim.CLAIM and finish.COMPLETE: claim ``batch`` in one transaction,
         complete them in a second one, ``clients`` clients (default ``sizes.clients``) over
         ``jobs`` jobs (default ``sizes.ceiling_jobs``), ``pgbench_threads`` threads."""
         sizes = self.sizes
@@ -542,7 +544,7 @@ class Bench:
             "-D",
             "suspects=false",
             "-D",
-            f"tasks={sql.TextArray.of(registry.names())}",
+            f"tasks={execute.TextArray.of(registry.names())}",
             # The worker's own commit setting, so the ceiling is of the same transactions.
             "-D",
             "synchronous_commit="
@@ -631,7 +633,7 @@ class Bench:
         self.scrape_floor = int(admin.one("SELECT max(id) FROM pgjobs_job") or 0)
         plans = {}
         for name in ("QUEUE_DEPTH", "RUNNING_BY_QUEUE", "FAILED_BY_QUEUE", "LIVE_WORKERS"):
-            rows = admin.conn.execute("EXPLAIN (COSTS OFF) " + getattr(sql, name)).fetchall()
+            rows = admin.conn.execute("EXPLAIN (COSTS OFF) " + getattr(dashboard, name)).fetchall()
             plans[name] = "\n".join(row[0] for row in rows)
         return {
             "rows": self.sizes.scrape_rows,
@@ -736,14 +738,14 @@ class Bench:
 
 def ceiling_script(batch: int) -> str:
     """A pgbench script of the project's own CLAIM and COMPLETE, read at run time: the claim
-    of ``batch`` as the worker sends it (``sql.limited``: the LIMIT written in).
+    of ``batch`` as the worker sends it (``claim.limited``: the LIMIT written in).
 
     The claim runs inside a CTE that returns the claimed ids, attempts and claim times as
     one JSON array (``\\gset`` takes one row); the complete takes it back as its ``claims``.
     A no-op job has no result: the objects carry none.
     """
-    claim_params = set(pgbench_params(sql.CLAIM))
-    complete_params = set(pgbench_params(sql.COMPLETE))
+    claim_params = set(pgbench_params(claim.CLAIM))
+    complete_params = set(pgbench_params(finish.COMPLETE))
     known_claim = {
         "queue",
         "limit",
@@ -759,10 +761,12 @@ def ceiling_script(batch: int) -> str:
             "sql.CLAIM/COMPLETE take parameters this script does not know: "
             f"{sorted((claim_params - known_claim) | (complete_params - known_complete))}"
         )
-    claim = re.sub(r"%\((\w+)\)s", r":\1", sql.limited(sql.CLAIM, batch).strip().rstrip(";"))
-    complete = re.sub(r"%\((\w+)\)s", r":\1", sql.COMPLETE.strip().rstrip(";"))
+    claim_sql = re.sub(
+        r"%\((\w+)\)s", r":\1", claim.limited(claim.CLAIM, batch).strip().rstrip(";")
+    )
+    complete = re.sub(r"%\((\w+)\)s", r":\1", finish.COMPLETE.strip().rstrip(";"))
     return (
-        f"WITH claimed AS (\n{claim}\n)\n"
+        f"WITH claimed AS (\n{claim_sql}\n)\n"
         "SELECT coalesce(jsonb_agg(jsonb_build_object(\n"
         "         'id', id, 'attempts', attempts, 'claimed_at', attempted_at)), '[]') AS claims\n"
         "FROM claimed \\gset\n"

@@ -38,11 +38,13 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from django_pgjobs import doctor, registry, sql, validation
+from django_pgjobs import registry, validation
+from django_pgjobs.core import execute
+from django_pgjobs.core.types import last_line
 from django_pgjobs.exceptions import InvalidJobOptions, WorkerCrashed
-from django_pgjobs.explain import explain
-from django_pgjobs.lifecycle import last_line
 from django_pgjobs.models import FailedJob, Job, QueueDashboard, ScheduleState, Status
+from django_pgjobs.ops import dashboard, doctor
+from django_pgjobs.ops.explain import explain
 
 if TYPE_CHECKING:
     _JobModelAdmin = admin.ModelAdmin[Job]
@@ -89,7 +91,7 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
     def count(self) -> int:
         queryset = self.object_list
         if isinstance(queryset, QuerySet) and not queryset.query.where:
-            rows = sql.run(connections[queryset.db], sql.ESTIMATED_ROWS, {})
+            rows = execute.run(connections[queryset.db], dashboard.ESTIMATED_ROWS, {})
             if rows and rows[0][0] is not None and rows[0][0] >= 10_000:
                 return int(rows[0][0])
         return super().count
@@ -115,7 +117,7 @@ class QueueFilter(admin.SimpleListFilter):
     parameter_name = "queue"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = set(doctor.live_queues())
+        names = set(dashboard.live_queues())
         if self.value():
             names.add(str(self.value()))
         return [(name, name) for name in sorted(names)]
@@ -134,7 +136,7 @@ class CrashFilter(admin.SimpleListFilter):
         return [("crashed", "its worker died (quarantined)"), ("other", "otherwise")]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        # As jobsdoctor tells them (sql.QUARANTINED): the latest error is WorkerCrashed.
+        # As jobsdoctor tells them (doctor.QUARANTINED): the latest error is WorkerCrashed.
         crashed = Q(**{"errors__-1__exception_class_path": WORKER_CRASHED})
         if self.value() == "crashed":
             return queryset.filter(crashed)
@@ -534,12 +536,12 @@ class QueueDashboardAdmin(OnePageAdmin):
     ) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
-        overview = doctor.overview()
-        states = doctor.queue_control()
+        overview = dashboard.overview()
+        states = dashboard.queue_control()
         names = sorted({q.queue for q in overview.queues} | set(states))
-        workers = doctor.live_workers()
+        workers = dashboard.live_workers()
         for worker in workers:
-            worker["queue_list"] = doctor.worker_queues(worker)
+            worker["queue_list"] = dashboard.worker_queues(worker)
         context = {
             **self.admin_site.each_context(request),
             "title": "Queue dashboard",
@@ -549,10 +551,10 @@ class QueueDashboardAdmin(OnePageAdmin):
             "can_see_failures": request.user.has_perm("django_pgjobs.view_job"),
             "can_control": request.user.has_perm(QUEUE_CONTROL_PERMISSION),
             "control": [
-                _control_row(states.get(name) or doctor.QueueControl(name)) for name in names
+                _control_row(states.get(name) or dashboard.QueueControl(name)) for name in names
             ],
             "workers": workers,
-            "unrunnable": doctor.unrunnable(),
+            "unrunnable": dashboard.unrunnable(),
         }
         return TemplateResponse(request, "admin/django_pgjobs/dashboard.html", context)
 
@@ -634,7 +636,7 @@ class SchedulesAdmin(OnePageAdmin):
         return TemplateResponse(request, "admin/django_pgjobs/schedules.html", context)
 
 
-def _control_row(state: doctor.QueueControl) -> dict[str, Any]:
+def _control_row(state: dashboard.QueueControl) -> dict[str, Any]:
     """One queue's line of the control table; the period in seconds, as the form takes it."""
     period = state.rate_period.total_seconds() if state.rate_period is not None else None
     return {
@@ -658,7 +660,7 @@ def _ids(ids: list[int]) -> str:
 CHART_WIDTH, CHART_HEIGHT, CHART_TOP = 720, 180, 12
 
 
-def _chart(overview: doctor.Overview) -> dict[str, Any]:
+def _chart(overview: dashboard.Overview) -> dict[str, Any]:
     """Bar geometry for the throughput chart, drawn as SVG by the template (no script)."""
     minutes = overview.minutes
     peak = max(overview.peak, 1)

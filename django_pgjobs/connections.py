@@ -94,7 +94,7 @@ class DirectConnections:
 
         ``connection.execute()`` builds a cursor, and a map of its adapters, per statement:
         a quarter of the client's CPU for a small statement (23 of 90 µs, ``timeit``). A
-        statement's rows must be read before the next one runs, as ``sql.run()`` does."""
+        statement's rows must be read before the next one runs, as ``execute.run()`` does."""
         conn = self.get()
         cursor: psycopg.Cursor[Any] | None = getattr(self._local, "cursor", None)
         if cursor is None or cursor.connection is not conn or cursor.closed:

@@ -1,8 +1,9 @@
 """The lifecycle verbs: enqueue, claim, complete, fail, snooze, extend_lease, release, reap,
 cancel, prune.
 
-Each verb runs one statement from ``sql.py`` on the manager's database alias (the shared
-helpers in ``lifecycle.py`` shape its parameters). The writes after a claim are fenced on the
+A thin facade over ``core``: each verb checks what the caller passed, picks the database alias,
+and runs one statement of ``core`` through the function of that room that shapes its
+parameters. The writes after a claim are fenced on the
 claim (id, ``status = 'running'``, attempts and claim time): they return ``False`` (or
 ``None``) when the job is no longer ours, and log that at WARNING; they never raise for it.
 The ``*_many`` forms do the same for a batch in one statement.
@@ -26,11 +27,10 @@ from django.db.models.signals import post_init, pre_init
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_pgjobs import conf, lifecycle, registry, signals, sql, validation
-from django_pgjobs.exceptions import InvalidJobOptions, NotPostgreSQL, UniqueKeyBusy
-from django_pgjobs.lifecycle import (
+from django_pgjobs import conf, registry, signals, validation
+from django_pgjobs.core import claim, control, enqueue, execute, finish, types, upkeep
+from django_pgjobs.core.types import (
     ERROR_LIMIT,
-    REAP_BATCH,
     Claim,
     ClaimedJob,
     FailedAttempt,
@@ -38,6 +38,8 @@ from django_pgjobs.lifecycle import (
     Reaped,
     default_worker_id,
 )
+from django_pgjobs.core.upkeep import REAP_BATCH
+from django_pgjobs.exceptions import InvalidJobOptions, NotPostgreSQL, UniqueKeyBusy
 from django_pgjobs.notify import notify_on_commit
 
 if TYPE_CHECKING:
@@ -324,8 +326,8 @@ class JobManager(models.Manager["Job"]):
         lock = plan.locks[0] if plan.locks else None
         text = validation.encode(plan.payloads[0])
         params = plan.params | {"payload": text, "unique_key": key, "lock_key": lock}
-        statement = sql.ENQUEUE_ONE if key is None else sql.ENQUEUE_ONE_UNIQUE
-        rows = sql.run(plan.connection, statement, params)
+        statement = enqueue.ENQUEUE_ONE if key is None else enqueue.ENQUEUE_ONE_UNIQUE
+        rows = execute.run(plan.connection, statement, params)
         tries = 1
         while not rows and key is not None:
             holder = self._holder(key)
@@ -336,7 +338,7 @@ class JobManager(models.Manager["Job"]):
             if tries == UNIQUE_TRIES:
                 raise _busy(plan.fields, [key])
             tries += 1
-            rows = sql.run(plan.connection, statement, params)
+            rows = execute.run(plan.connection, statement, params)
         plan.notify(self.db_alias)
         job_id, job_run_at, created_at, _notified = rows[0]
         known = {
@@ -403,7 +405,7 @@ class JobManager(models.Manager["Job"]):
         if not plan.payloads:
             return Enqueued([], [])
         if not plan.keys:
-            rows = self._insert_many(plan, sql.ENQUEUE, list(range(len(plan.payloads))), None)
+            rows = self._insert_many(plan, enqueue.ENQUEUE, list(range(len(plan.payloads))), None)
             plan.notify(self.db_alias)
             self._enqueued(plan, ids=[row[0] for row in rows])
             return Enqueued([row[0] for row in rows], [True] * len(rows))
@@ -478,14 +480,16 @@ class JobManager(models.Manager["Job"]):
         waiting = sorted(first)
         sent = [i for i, key in enumerate(keys) if key is None]
         sent += [first[key] for key in waiting]
-        rows = self._insert_many(plan, sql.ENQUEUE_UNIQUE, sent, [keys[i] for i in sent])
+        rows = self._insert_many(plan, enqueue.ENQUEUE_UNIQUE, sent, [keys[i] for i in sent])
         keyless = iter([row[0] for row in rows if row[1] is None])
         new = {key: job_id for job_id, key in rows if key is not None}
         held: dict[str, int] = {}
         waiting = [key for key in waiting if key not in new]
         tries = 1
         while waiting:
-            held.update(sql.run(plan.connection, sql.UNIQUE_HOLDER_IDS, {"unique_keys": waiting}))
+            held.update(
+                execute.run(plan.connection, enqueue.UNIQUE_HOLDER_IDS, {"unique_keys": waiting})
+            )
             waiting = [key for key in waiting if key not in held]
             if not waiting:
                 break
@@ -494,7 +498,7 @@ class JobManager(models.Manager["Job"]):
                 raise _busy(plan.fields, waiting)
             tries += 1
             rows = self._insert_many(
-                plan, sql.ENQUEUE_UNIQUE, [first[key] for key in waiting], waiting
+                plan, enqueue.ENQUEUE_UNIQUE, [first[key] for key in waiting], waiting
             )
             new.update((key, job_id) for job_id, key in rows)
             waiting = [key for key in waiting if key not in new]
@@ -563,11 +567,13 @@ class JobManager(models.Manager["Job"]):
         payloads = validation.encode([plan.payloads[i] for i in indexes])
         locks = None if plan.locks is None else [plan.locks[i] for i in indexes]
         params = {"payloads": payloads, "unique_keys": keys, "lock_keys": locks}
-        return sql.run(plan.connection, statement, plan.params | params)
+        return execute.run(plan.connection, statement, plan.params | params)
 
     def _holder(self, key: str) -> Job | None:
         """The job that holds this unique key now, or ``None`` if no job does."""
-        rows = self.get_queryset().using(self.db_alias).raw(sql.UNIQUE_HOLDER, {"unique_key": key})
+        rows = (
+            self.get_queryset().using(self.db_alias).raw(enqueue.UNIQUE_HOLDER, {"unique_key": key})
+        )
         return next(iter(rows), None)
 
     # -- claim -------------------------------------------------------------------------
@@ -615,7 +621,7 @@ class JobManager(models.Manager["Job"]):
                 "claim(guarded=True) is for lease mode: in transaction mode a claimed job is "
                 "running to no other session, so limits and lock keys cannot count it."
             )
-        return lifecycle.claim(
+        return claim.claim(
             connection,
             queue=queue,
             limit=limit,
@@ -646,7 +652,7 @@ class JobManager(models.Manager["Job"]):
         ``result`` (JSON values only) is stored as the job's return value.
         """
         claim = _fence(job, attempts, claimed_at)
-        job_id = lifecycle.fence_of(claim)[0]
+        job_id = types.fence_of(claim)[0]
         return job_id in self.complete_many([claim], {job_id: result})
 
     def complete_many(
@@ -657,7 +663,7 @@ class JobManager(models.Manager["Job"]):
         Each claim is a ``ClaimedJob`` or ``(id, attempts[, claimed_at])``. ``results`` maps
         a job id to its return value; every value is validated first.
         """
-        return lifecycle.complete(self.connection(), jobs, results or {}, synchronous_commit=None)
+        return finish.complete(self.connection(), jobs, results or {}, synchronous_commit=None)
 
     def fail(
         self,
@@ -678,12 +684,12 @@ class JobManager(models.Manager["Job"]):
         the new status, or ``None`` when the job is no longer ours.
         """
         claim = _fence(job, attempts, claimed_at)
-        job_id = lifecycle.fence_of(claim)[0]
+        job_id = types.fence_of(claim)[0]
         if delay is not None:
             failure = Failure.of("" if error is None else error)
             seconds = validation.seconds("delay", delay)
             attempt = FailedAttempt(claim, failure, conf.backoff(), delay=seconds)
-            statuses = lifecycle.fail(self.connection(), [attempt], synchronous_commit=None)
+            statuses = finish.fail(self.connection(), [attempt], synchronous_commit=None)
             return statuses.get(job_id)
         backoffs = {job_id: backoff} if backoff is not None else None
         return self.fail_many([(claim, "" if error is None else error)], backoffs).get(job_id)
@@ -706,13 +712,13 @@ class JobManager(models.Manager["Job"]):
         attempts = []
         for item in jobs:
             claim: Claim = item[0] if len(item) == 2 else (item[0], item[1])
-            job_id = lifecycle.fence_of(claim)[0]
+            job_id = types.fence_of(claim)[0]
             failure = Failure.of(item[-1])
             delay = (
                 validation.backoff(*backoff[job_id]) if backoff and job_id in backoff else default
             )
             attempts.append(FailedAttempt(claim, failure, delay))
-        return lifecycle.fail(self.connection(), attempts, synchronous_commit=None)
+        return finish.fail(self.connection(), attempts, synchronous_commit=None)
 
     def snooze(
         self,
@@ -728,8 +734,8 @@ class JobManager(models.Manager["Job"]):
         """
         seconds = validation.seconds("snooze delay", delay)
         claim = _fence(job, attempts, claimed_at)
-        snoozed = lifecycle.snooze(self.connection(), [(claim, seconds)], synchronous_commit=None)
-        return lifecycle.fence_of(claim)[0] in snoozed
+        snoozed = finish.snooze(self.connection(), [(claim, seconds)], synchronous_commit=None)
+        return types.fence_of(claim)[0] in snoozed
 
     def extend_lease(
         self,
@@ -741,13 +747,13 @@ class JobManager(models.Manager["Job"]):
     ) -> bool:
         """Push a running job's lease to ``now() + lease``. ``False``: stop, it is not ours."""
         claim = _fence(job, attempts, claimed_at)
-        return lifecycle.fence_of(claim)[0] in self.extend_lease_many([claim], lease)
+        return types.fence_of(claim)[0] in self.extend_lease_many([claim], lease)
 
     def extend_lease_many(
         self, jobs: Iterable[Claim], lease: timedelta | float | None = None
     ) -> set[int]:
         lease_td = validation.positive_duration("lease", conf.lease() if lease is None else lease)
-        return lifecycle.extend_lease(self.connection(), jobs, lease_td, synchronous_commit=None)
+        return finish.extend_lease(self.connection(), jobs, lease_td, synchronous_commit=None)
 
     def release(
         self,
@@ -761,11 +767,11 @@ class JobManager(models.Manager["Job"]):
         the next claim, and only the claim time tells the two claims apart.
         """
         claim = _fence(job, attempts, claimed_at)
-        return lifecycle.fence_of(claim)[0] in self.release_many([claim])
+        return types.fence_of(claim)[0] in self.release_many([claim])
 
     def release_many(self, jobs: Iterable[Claim]) -> set[int]:
         """Release claims (``ClaimedJob`` or ``(id, attempts[, claimed_at])``) at once."""
-        return lifecycle.release(self.connection(), jobs, synchronous_commit=None)
+        return finish.release(self.connection(), jobs, synchronous_commit=None)
 
     # -- maintenance -------------------------------------------------------------------
 
@@ -774,7 +780,9 @@ class JobManager(models.Manager["Job"]):
 
         Jobs that are no longer ``failed`` are left alone. Returns the ids retried.
         """
-        rows = sql.run(self.connection(), sql.RETRY, {"ids": sorted({int(i) for i in job_ids})})
+        rows = execute.run(
+            self.connection(), control.RETRY, {"ids": sorted({int(i) for i in job_ids})}
+        )
         for queue in sorted({queue for _id, queue in rows}):
             notify_on_commit(self.db_alias, queue)
         for job_id, queue in rows:
@@ -791,13 +799,13 @@ class JobManager(models.Manager["Job"]):
         """Pause ``queue``: no worker starts another of its jobs (each claim reads the pause
         itself); running ones finish, and enqueue goes on. Undone by ``resume()``."""
         name = validation.queue_name(queue)
-        sql.run(self.connection(), sql.PAUSE, {"queue": name})
+        execute.run(self.connection(), control.PAUSE, {"queue": name})
         logger.info("queue %s paused", name, extra={"action": "pause", "queue": name})
 
     def resume(self, queue: str) -> None:
         """Let workers claim ``queue``'s jobs again; a NOTIFY wakes them as it commits."""
         name = validation.queue_name(queue)
-        sql.run(self.connection(), sql.RESUME, {"queue": name, "channel": conf.channel()})
+        execute.run(self.connection(), control.RESUME, {"queue": name, "channel": conf.channel()})
         logger.info("queue %s resumed", name, extra={"action": "resume", "queue": name})
 
     def set_limits(
@@ -824,7 +832,7 @@ class JobManager(models.Manager["Job"]):
             "rate_period": period,
             "channel": conf.channel(),
         }
-        sql.run(self.connection(), sql.SET_LIMITS, params)
+        execute.run(self.connection(), control.SET_LIMITS, params)
         logger.info(
             "queue %s limits: concurrency %s, rate %s",
             name,
@@ -866,12 +874,12 @@ class JobManager(models.Manager["Job"]):
             return 0
         connection = self.connection()
         wanted = sorted(set(ids))
-        rows = sql.run(connection, sql.CANCEL, {"ids": wanted})
+        rows = execute.run(connection, control.CANCEL, {"ids": wanted})
         # The jobs CANCEL skipped because a transaction held them: one at a time, waiting.
         done = {row[0] for row in rows}
         rest = [i for i in wanted if i not in done]
-        for (job_id,) in sql.run(connection, sql.UNFINISHED, {"ids": rest}) if rest else []:
-            rows += sql.run(connection, sql.CANCEL_WAITING, {"ids": [job_id]})
+        for (job_id,) in execute.run(connection, control.UNFINISHED, {"ids": rest}) if rest else []:
+            rows += execute.run(connection, control.CANCEL_WAITING, {"ids": [job_id]})
         for job_id, task, queue, attempts, was in rows:
             logger.info(
                 "cancel of job %s %s: %s, now cancelled",
@@ -899,9 +907,9 @@ class JobManager(models.Manager["Job"]):
         savepoint of its own inside the caller's transaction, and a failure is logged."""
         try:
             with transaction.atomic(using=self.db_alias):
-                queues = lifecycle.freed_queues(self.connection(), job_ids)
+                queues = finish.freed_queues(self.connection(), job_ids)
         except DatabaseError:
-            lifecycle.word_not_sent(len(job_ids), "cancel")
+            finish.word_not_sent(len(job_ids), "cancel")
             return
         for queue in queues:
             notify_on_commit(self.db_alias, queue)
@@ -911,12 +919,12 @@ class JobManager(models.Manager["Job"]):
 
         Works in batches of ``batch_size`` until one comes back short; returns every row it
         changed as ``(id, status, attempts)``. Nothing is reaped in the first minute after
-        the server started (``lifecycle.REAP_SETTLE``): workers that held jobs through an
+        the server started (``upkeep.REAP_SETTLE``): workers that held jobs through an
         outage write what they hold first. Each expired lease counts a worker crash; the
         ``PGJOBS["MAX_CRASHES"]``-th in a row fails the job (``WorkerCrashed``).
         """
         validation.positive_int("batch_size", batch_size)
-        return lifecycle.reap(self.connection(), batch_size, max_crashes=conf.max_crashes())
+        return upkeep.reap(self.connection(), batch_size, max_crashes=conf.max_crashes())
 
     def prune(
         self,
@@ -952,11 +960,11 @@ class JobManager(models.Manager["Job"]):
         validation.duration("older_than", older_than)
         validation.positive_int("batch_size", batch_size)
         connection = self.connection()
-        statement = sql.PRUNE_ARCHIVE if archive else sql.PRUNE
+        statement = upkeep.PRUNE_ARCHIVE if archive else upkeep.PRUNE
         total = 0
         params = {"statuses": statuses, "older_than": older_than, "limit": batch_size}
         while True:
-            count = sql.count(connection, statement, params)
+            count = execute.count(connection, statement, params)
             total += count
             if progress is not None and count:
                 progress(total)

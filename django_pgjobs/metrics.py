@@ -1,11 +1,11 @@
 """Queue-level gauges for Prometheus, served by ``views.metrics``.
 
-The numbers are the dashboard's: ``doctor.live_queues()`` runs ``sql.QUEUE_DEPTH``,
-``sql.RUNNING_BY_QUEUE`` and ``sql.FAILED_BY_QUEUE``, each over one partial index (ready,
-lease, failed rows), so a scrape reads the live jobs and never the done history: it costs the
-same on an empty table and on one with ten million finished rows (the benchmark's ``scrape``
-section measures both). The queues the live workers serve are listed too, with zeros when they
-are empty, so a queue's series do not vanish the moment it drains.
+The numbers are the dashboard's: ``dashboard.live_queues()`` runs ``dashboard.QUEUE_DEPTH``,
+``dashboard.RUNNING_BY_QUEUE`` and ``dashboard.FAILED_BY_QUEUE``, each over one partial index
+(ready, lease, failed rows), so a scrape reads the live jobs and never the done history: it costs
+the same on an empty table and on one with ten million finished rows (the benchmark's ``scrape``
+section measures both). The queues the live workers serve are listed too, with zeros when they are
+empty, so a queue's series do not vanish the moment it drains.
 
 A custom collector on a registry of its own: the values are read from the database at scrape
 time, never kept in the process (every web process answers with the same numbers), and
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from django.core.exceptions import ImproperlyConfigured
 
-from django_pgjobs import doctor
+from django_pgjobs.ops import dashboard
 
 try:
     from prometheus_client import CollectorRegistry
@@ -62,10 +62,10 @@ class QueueCollector:
         self.alias = alias
 
     def collect(self) -> Iterator[Metric]:
-        queues = doctor.live_queues(self.alias)
-        for worker in doctor.live_workers(self.alias):
+        queues = dashboard.live_queues(self.alias)
+        for worker in dashboard.live_workers(self.alias):
             for name in worker["queues"]:
-                queues.setdefault(name, doctor.QueueHealth(name))
+                queues.setdefault(name, dashboard.QueueHealth(name))
         for name, documentation, attribute in GAUGES:
             family = GaugeMetricFamily(name, documentation, labels=["queue"])
             for queue in sorted(queues):

@@ -271,8 +271,8 @@ class QueueState(models.Model):
     """An operator's steering of one queue (``pgjobs_queue``): paused, and its global limits.
 
     A queue without a row is unpaused and unlimited. Written by ``Job.objects.pause()``,
-    ``resume()`` and ``set_limits()``; read by every claim (``sql.CLAIM`` skips a paused or
-    limited queue, ``sql.CLAIM_GUARDED`` enforces the limits). ``starts`` keeps the start
+    ``resume()`` and ``set_limits()``; read by every claim (``claim.CLAIM`` skips a paused or
+    limited queue, ``claim.CLAIM_GUARDED`` enforces the limits). ``starts`` keeps the start
     times the rate limit counts, the newest ``rate_count`` of them.
     """
 

@@ -3,7 +3,7 @@
 The payload is the queue name, never the job. ``PGJOBS["NOTIFY"]`` picks how it is sent:
 
 - ``"auto"`` (the default). Outside ``atomic()`` the enqueue's own INSERT calls ``pg_notify``
-  (``sql.ENQUEUE_ONE`` / ``sql.ENQUEUE``, and their ``_UNIQUE`` forms): one statement, one
+  (``enqueue.ENQUEUE_ONE`` / ``enqueue.ENQUEUE``, and their ``_UNIQUE`` forms): one statement, one
   commit, and PostgreSQL delivers the notification only when that transaction commits (never
   on rollback, once per channel and payload per transaction). A NOTIFY the server refuses
   then refuses the INSERT with it.
@@ -30,14 +30,37 @@ import os
 import selectors
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from django.db import DatabaseError, connections, transaction
+from psycopg.sql import SQL, Composed, Identifier
 
-from django_pgjobs import conf, sql
+from django_pgjobs import conf
 from django_pgjobs.connections import connection_params
-from django_pgjobs.lifecycle import reason
+from django_pgjobs.core import execute
+from django_pgjobs.core.types import reason
+
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString
+
+# A hint, never the job: listeners re-run the claim. Sent after the enqueue's commit, once per
+# queue, in one statement for every queue that has news. Its own transaction need not wait
+# for the WAL flush (a crash drops every listener anyway), so it never adds an fsync.
+NOTIFY: LiteralString = """
+SELECT pg_notify(%(channel)s, q)
+FROM unnest(%(queues)s::text[]) AS q, set_config('synchronous_commit', 'off', true)
+"""
+
+
+def listen(channel: str) -> Composed:
+    """``LISTEN "channel"``: a channel is an identifier, so it is quoted, not bound."""
+    return SQL("LISTEN {}").format(Identifier(channel))
+
+
+# The LISTEN connection's health probe: the cheapest statement that needs a live server.
+PROBE: LiteralString = "SELECT 1"
+
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +88,9 @@ class _Notify:
             notifier.request(self.alias, conf.channel(), self.queue)
             return
         try:
-            sql.run(
+            execute.run(
                 connections[self.alias],
-                sql.NOTIFY,
+                NOTIFY,
                 {"channel": conf.channel(), "queues": [self.queue]},
             )
         except DatabaseError:
@@ -188,7 +211,7 @@ class Notifier:
             if link is None or link.closed:
                 params = connection_params(alias, "pgjobs-notifier")
                 link = links[alias] = psycopg.connect(**params, autocommit=True)
-            link.execute(sql.NOTIFY, {"channel": channel, "queues": queues})
+            link.execute(NOTIFY, {"channel": channel, "queues": queues})
         except Exception:  # any failure: the thread must live on, and the NOTIFY is a hint
             bad = links.pop(alias, None)
             if bad is not None:
@@ -264,7 +287,7 @@ class Listener(threading.Thread):
         while not self._stopping.is_set():
             try:
                 with psycopg.connect(**params, autocommit=True) as conn:
-                    conn.execute(sql.listen(channel))
+                    conn.execute(listen(channel))
                     if delay:
                         logger.warning(
                             "LISTEN connection re-established on %s",
@@ -308,4 +331,4 @@ class Listener(threading.Thread):
                     os.read(self._wake_read, 4096)
             if self._probe.is_set() and not self._stopping.is_set():
                 self._probe.clear()
-                conn.execute(sql.PROBE)
+                conn.execute(PROBE)

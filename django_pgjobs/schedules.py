@@ -2,7 +2,7 @@
 
 A schedule is declared in code (the decorator, or the setting for a task that cannot be
 decorated). Every worker runs every declared schedule; the database decides which worker's
-tick becomes the job (``sql.TICK``): the row of ``pgjobs_schedule`` keeps the last tick
+tick becomes the job (``TICK``): the row of ``pgjobs_schedule`` keeps the last tick
 enqueued, and a tick becomes a job only in the statement that moves that row forward. So a
 tick is enqueued exactly once however many workers run, and nothing but the code declares a
 schedule: a row whose schedule was removed is never read again.
@@ -19,16 +19,83 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from django_pgjobs import conf, registry, sql, validation
+from django_pgjobs import conf, registry, validation
+from django_pgjobs.core import execute
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
 from django_pgjobs.registry import JobFunction
+
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString
+
+# -- periodic jobs (schedules.py). A tick becomes a job if and only if this statement moves
+# the schedule's row forward to it: the upsert takes the row's lock, so schedulers of every
+# worker serialize on it, and the one that comes second finds the tick already there (its
+# WHERE is false: no row, so no job). The job's id is drawn only by the update that wins,
+# and the job is inserted in the same statement, so a crash can leave neither a tick
+# without its job nor a job without its tick; no leader, and no lock outlives the statement.
+# A new row (or one a failed step made) is only set to the tick: a schedule's first job is
+# its first tick after it was deployed, never the deploy. The tick only ever moves forward,
+# whichever spec a worker runs: while old and new code run side by side (a rolling deploy),
+# each version's later ticks are enqueued, and neither undoes the other's.
+TICK: LiteralString = """
+WITH tick AS (
+  INSERT INTO pgjobs_schedule AS s (name, spec, last_tick, updated_at)
+  VALUES (%(name)s, %(spec)s, %(tick)s, now())
+  ON CONFLICT (name) DO UPDATE
+  SET spec        = EXCLUDED.spec,
+      last_tick   = EXCLUDED.last_tick,
+      last_job_id = CASE WHEN s.spec IS NOT NULL
+                         THEN nextval(pg_get_serial_sequence('pgjobs_job', 'id')) END,
+      last_error  = NULL,
+      failures    = 0,
+      updated_at  = now()
+  WHERE s.last_tick IS NULL OR s.last_tick < EXCLUDED.last_tick
+  RETURNING s.last_job_id
+)
+INSERT INTO pgjobs_job (id, queue, task, payload, priority, max_attempts, run_at, schedule,
+                        scheduled_at, timeout)
+OVERRIDING SYSTEM VALUE
+SELECT tick.last_job_id, %(queue)s, %(task)s, %(payload)s::jsonb, %(priority)s,
+       %(max_attempts)s, now(), %(name)s, %(tick)s, %(timeout)s::interval
+FROM tick
+WHERE tick.last_job_id IS NOT NULL
+RETURNING id,
+  CASE WHEN %(notify_channel)s::text IS NOT NULL THEN pg_notify(%(notify_channel)s, queue) END
+"""
+
+
+# A scheduler step that failed: its error on the row (a new row gets no spec, so the first
+# successful step only sets its tick). The next success clears it.
+TICK_FAILED: LiteralString = """
+INSERT INTO pgjobs_schedule AS s (name, last_error, failures, failed_at, updated_at)
+VALUES (%(name)s, %(error)s, 1, now(), now())
+ON CONFLICT (name) DO UPDATE
+SET last_error = EXCLUDED.last_error, failures = s.failures + 1, failed_at = now(),
+    updated_at = now()
+"""
+
+
+# The rows of the declared schedules (rows of removed schedules are never read), with the
+# status of each last tick's job (NULL once it was pruned).
+SCHEDULE_STATES: LiteralString = """
+SELECT s.name, s.spec, s.last_tick, s.last_job_id, s.last_error, s.failures, s.failed_at,
+       j.status
+FROM pgjobs_schedule s
+LEFT JOIN pgjobs_job j ON j.id = s.last_job_id
+WHERE s.name = ANY(%(names)s::text[])
+"""
+
+
+# The database's clock, which decides the ticks.
+NOW: LiteralString = "SELECT now()"
+
 
 T = TypeVar("T")
 
@@ -410,15 +477,15 @@ def valid() -> list[Schedule]:
 # -- the database ---------------------------------------------------------------------------
 
 
-def database_now(connection: sql.Connection) -> datetime:
+def database_now(connection: execute.Connection) -> datetime:
     """The database's clock: every tick is judged by it, never by a worker's."""
-    value = sql.run(connection, sql.NOW, {})[0][0]
+    value = execute.run(connection, NOW, {})[0][0]
     assert isinstance(value, datetime)
     # In UTC whatever the session's TimeZone (a worker's own connections keep the server's).
     return value.astimezone(dt_timezone.utc)
 
 
-def enqueue_tick(connection: sql.Connection, schedule: Schedule, tick: datetime) -> int | None:
+def enqueue_tick(connection: execute.Connection, schedule: Schedule, tick: datetime) -> int | None:
     """Record ``tick`` as the schedule's latest and enqueue its job, in one statement.
 
     Returns the new job's id; None when the row already held this tick or a later one
@@ -437,18 +504,18 @@ def enqueue_tick(connection: sql.Connection, schedule: Schedule, tick: datetime)
         "payload": validation.payload(schedule.payload()),
         "notify_channel": conf.channel(),
     }
-    rows = sql.run(connection, sql.TICK, params)
+    rows = execute.run(connection, TICK, params)
     return int(rows[0][0]) if rows else None
 
 
-def record_failure(connection: sql.Connection, schedule: Schedule, error: str) -> None:
+def record_failure(connection: execute.Connection, schedule: Schedule, error: str) -> None:
     """Keep a failed step's error on the schedule's row, for jobsdoctor and the admin."""
-    sql.run(connection, sql.TICK_FAILED, {"name": schedule.name, "error": error})
+    execute.run(connection, TICK_FAILED, {"name": schedule.name, "error": error})
 
 
-def states(connection: sql.Connection, names: list[str]) -> dict[str, dict[str, Any]]:
+def states(connection: execute.Connection, names: list[str]) -> dict[str, dict[str, Any]]:
     """The rows of these schedules, with the status of each last tick's job."""
-    rows = sql.run(connection, sql.SCHEDULE_STATES, {"names": names})
+    rows = execute.run(connection, SCHEDULE_STATES, {"names": names})
     columns = (
         "name",
         "spec",

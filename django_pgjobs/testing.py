@@ -10,7 +10,7 @@ is committed, and no worker process is started.
 The test clock: inside a test's transaction PostgreSQL's ``now()`` is frozen at the test's
 start, while a worker's statements each see the wall clock. ``run_jobs()`` installs, for
 its own duration, transaction-local stand-ins for ``now()``, ``statement_timestamp()`` and
-``transaction_timestamp()`` (``sql.TEST_CLOCK_CREATE``) that return the time the test set
+``transaction_timestamp()`` (``TEST_CLOCK_CREATE``) that return the time the test set
 with ``set_clock()`` / ``advance()`` / ``run_jobs(now=...)``, or else the wall clock; so the
 worker's unchanged statements run deferred jobs and retries once the test moves the clock
 past their ``run_at``, without sleeping. The clock is a transaction-local setting: it ends
@@ -27,18 +27,99 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_pgjobs import conf, lifecycle, registry, sql, validation
+from django_pgjobs import conf, registry, validation
+from django_pgjobs.core import claim, execute
+from django_pgjobs.core.types import ClaimedJob, Failure
 from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
-from django_pgjobs.lifecycle import ClaimedJob, Failure
 from django_pgjobs.models import Job
+from django_pgjobs.ops import dashboard
 from django_pgjobs.worker.outcomes import RELEASE, Outcome, WorkerStats, finished, result_of
 from django_pgjobs.worker.store import Store
 from django_pgjobs.worker.transaction import record, run_claimed
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
+    from typing_extensions import LiteralString
+
+# -- the test clock (django_pgjobs.testing). Inside a test's transaction now() is frozen at
+# the test's start; a worker's statements each run in a short transaction of their own, so
+# for them now() is the wall clock. run_jobs() runs the same statements as the worker with
+# the clock these give them: the time the test set (a transaction-local setting, gone with the
+# test's rollback), or else the statement's own start, which moves as the wall clock does.
+_TEST_CLOCK: LiteralString = """
+coalesce(nullif(pg_catalog.current_setting('pgjobs.test_clock', true), '')::timestamptz,
+         pg_catalog.statement_timestamp())"""
+
+
+# The functions that stand in for pg_catalog's clocks while run_jobs() runs: in a schema of
+# their own, put before pg_catalog in the transaction's search_path (TEST_CLOCK_ON), so the
+# unchanged statement text calls them. Created inside the test's transaction, dropped again
+# when run_jobs() returns (TEST_CLOCK_DROP), and rolled back with the test in any case.
+TEST_CLOCK_CREATE: LiteralString = (
+    """
+CREATE SCHEMA IF NOT EXISTS pgjobs_test_clock;
+CREATE OR REPLACE FUNCTION pgjobs_test_clock.now() RETURNS timestamptz
+  LANGUAGE sql STABLE AS $$ SELECT"""
+    + _TEST_CLOCK
+    + """ $$;
+CREATE OR REPLACE FUNCTION pgjobs_test_clock.statement_timestamp() RETURNS timestamptz
+  LANGUAGE sql STABLE AS $$ SELECT"""
+    + _TEST_CLOCK
+    + """ $$;
+CREATE OR REPLACE FUNCTION pgjobs_test_clock.transaction_timestamp() RETURNS timestamptz
+  LANGUAGE sql STABLE AS $$ SELECT"""
+    + _TEST_CLOCK
+    + """ $$
+"""
+)
+
+
+# Put the clock's schema first for the rest of the transaction; returns the path it replaced,
+# which TEST_CLOCK_OFF puts back.
+# Also returns lock_timeout, which the guarded claim's GUARD sets for the rest of the
+# transaction: TEST_CLOCK_OFF puts both back, so run_jobs() leaves the test's settings as
+# they were.
+TEST_CLOCK_ON: LiteralString = """
+SELECT current_setting('search_path'),
+       set_config('search_path',
+                  'pgjobs_test_clock, pg_catalog, ' || current_setting('search_path'), true),
+       current_setting('lock_timeout')
+"""
+
+
+TEST_CLOCK_OFF: LiteralString = """
+SELECT set_config('search_path', %(search_path)s, true),
+       set_config('lock_timeout', %(lock_timeout)s, true)
+"""
+
+
+TEST_CLOCK_DROP: LiteralString = "DROP SCHEMA pgjobs_test_clock CASCADE"
+
+
+# The test clock's time now.
+TEST_CLOCK_NOW: LiteralString = "SELECT" + _TEST_CLOCK
+
+
+# Set the test clock (NULL: back to the wall clock) or move it forward by an interval, until
+# the test's transaction ends.
+TEST_CLOCK_SET: LiteralString = """
+SELECT set_config('pgjobs.test_clock', %(now)s::timestamptz::text, true)
+"""
+
+
+TEST_CLOCK_ADVANCE: LiteralString = (
+    """
+SELECT set_config('pgjobs.test_clock', ("""
+    + _TEST_CLOCK
+    + """ + %(by)s::interval)::text, true)
+"""
+)
+
 
 __all__ = [
     "Enqueued",
@@ -163,7 +244,7 @@ def _task_name(task: object) -> str:
 def now() -> datetime:
     """The test clock's time: what ``now()`` shows to the statements ``run_jobs()`` runs."""
     connection = _in_test_transaction("now()")
-    value: datetime = sql.run(connection, sql.TEST_CLOCK_NOW, {})[0][0]
+    value: datetime = execute.run(connection, TEST_CLOCK_NOW, {})[0][0]
     return value
 
 
@@ -174,7 +255,7 @@ def set_clock(when: datetime | None) -> datetime:
     connection = _in_test_transaction("set_clock()")
     if when is not None:
         validation.schedule(when, None)  # an aware datetime, or a clear error
-    sql.run(connection, sql.TEST_CLOCK_SET, {"now": when})
+    execute.run(connection, TEST_CLOCK_SET, {"now": when})
     return now()
 
 
@@ -182,7 +263,7 @@ def advance(by: float | timedelta) -> datetime:
     """Move the test clock forward by ``by`` (seconds or a timedelta); the new time."""
     connection = _in_test_transaction("advance()")
     step = validation.duration("advance()", by)
-    sql.run(connection, sql.TEST_CLOCK_ADVANCE, {"by": step})
+    execute.run(connection, TEST_CLOCK_ADVANCE, {"by": step})
     return now()
 
 
@@ -190,11 +271,11 @@ def advance(by: float | timedelta) -> datetime:
 def _clock(connection: BaseDatabaseWrapper) -> Iterator[None]:
     """The test clock for the statements run inside: its functions first on the path (and
     the transaction's ``lock_timeout``, which a guarded claim sets, restored afterwards)."""
-    sql.run(connection, sql.TEST_CLOCK_CREATE, {})
-    path, _, lock_timeout = sql.run(connection, sql.TEST_CLOCK_ON, {})[0]
+    execute.run(connection, TEST_CLOCK_CREATE, {})
+    path, _, lock_timeout = execute.run(connection, TEST_CLOCK_ON, {})[0]
     yield
-    sql.run(connection, sql.TEST_CLOCK_OFF, {"search_path": path, "lock_timeout": lock_timeout})
-    sql.run(connection, sql.TEST_CLOCK_DROP, {})
+    execute.run(connection, TEST_CLOCK_OFF, {"search_path": path, "lock_timeout": lock_timeout})
+    execute.run(connection, TEST_CLOCK_DROP, {})
 
 
 # -- running jobs
@@ -235,7 +316,7 @@ def run_jobs(
             ready = _ready(connection, queue)
             if not ready:
                 break
-            guarded = lifecycle.outlook(connection, list(ready)).guarded
+            guarded = claim.outlook(connection, list(ready)).guarded
             ran = 0
             for name, count in ready.items():
                 limit = 1 if until_empty else count
@@ -257,7 +338,7 @@ def _ready(connection: BaseDatabaseWrapper, queue: str | None) -> dict[str, int]
     """Queues with due jobs (the dashboard's depth query, on the test clock), and how many."""
     return {
         row["queue"]: row["ready"]
-        for row in sql.records(connection, sql.QUEUE_DEPTH, {})
+        for row in execute.records(connection, dashboard.QUEUE_DEPTH, {})
         if row["ready"] and (queue is None or row["queue"] == queue)
     }
 

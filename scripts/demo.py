@@ -760,8 +760,8 @@ def most_running(demo_url: str, queue: str, until: Callable[[], bool]) -> int:
 def queues_run(demo_url: str) -> list[str]:
     import logging
 
-    from django_pgjobs import sql
     from django_pgjobs.models import Job
+    from django_pgjobs.ops import dashboard
 
     logging.getLogger("django_pgjobs").setLevel(logging.WARNING)
     reset_jobs(demo_url)
@@ -804,7 +804,7 @@ def queues_run(demo_url: str) -> list[str]:
         )
         with psycopg.connect(demo_url, autocommit=True) as conn:
             # (The workers killed in section 4 are listed until their rows expire.)
-            live = [row for row in conn.execute(sql.LIVE_WORKERS) if STEERED_QUEUE in row[4]]
+            live = [row for row in conn.execute(dashboard.LIVE_WORKERS) if STEERED_QUEUE in row[4]]
         print(f"  most '{STEERED_QUEUE}' jobs running at once: {most} (the limit is 2)")
         print(f"  live workers of '{STEERED_QUEUE}' in pgjobs_worker while they ran: {len(live)}")
         for row in live:
@@ -982,8 +982,8 @@ def monitoring_run(demo_url: str) -> list[str]:
     from django.db import transaction
     from django.test import Client
 
-    from django_pgjobs.explain import explain
     from django_pgjobs.models import Job
+    from django_pgjobs.ops.explain import explain
     from django_pgjobs.testing import advance, assert_enqueued, run_jobs
 
     reset_jobs(demo_url)

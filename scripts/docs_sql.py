@@ -3,11 +3,11 @@
 Every ```sql block in README.md, docs/ and benchmarks/ says what it is, in an HTML comment on
 the line just before its opening fence:
 
-    <!-- sql.CLAIM -->                    the statement django_pgjobs.sql.CLAIM (blank lines out)
-    <!-- migration.0002_job_results -->   the SQL that migration runs (its RunSQL), exactly
-    <!-- excerpt: sql.COMPLETE -->        consecutive lines of that text, to discuss one part
-    <!-- quoted: TITLE -->                SQL printed by one of the source articles (SOURCES)
-    <!-- example -->                      SQL written for the page: a query to run, a sketch
+    <!-- core.claim.CLAIM -->               django_pgjobs.core.claim.CLAIM (blank lines out)
+    <!-- migration.0002_job_results -->     the SQL that migration runs (its RunSQL), exactly
+    <!-- excerpt: core.finish.COMPLETE -->  consecutive lines of that text, to discuss one part
+    <!-- quoted: TITLE -->                  SQL printed by one of the source articles (SOURCES)
+    <!-- example -->                        SQL written for the page: a query to run, a sketch
 
 Run without arguments, this script rewrites each block of the first two kinds from the current
 text of what it names, so a changed statement reaches the docs in one step. With --check it
@@ -46,7 +46,10 @@ SQL_LANGUAGES = frozenset({"sql", "pgsql", "plpgsql", "postgres", "postgresql"})
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^\s`]*)[^`]*$")
 _MARKER = re.compile(r"^<!--\s*(?P<text>.*?)\s*-->$")
-_REFERENCE = re.compile(r"^(?P<kind>sql|migration)\.(?P<name>\w+)$")
+# A statement is named by its module under django_pgjobs and its constant: core.claim.CLAIM.
+_REFERENCE = re.compile(
+    r"^(?:(?P<kind>migration)|(?P<module>[a-z_]+(?:\.[a-z_]+)*))\.(?P<name>\w+)$"
+)
 
 # drift: the block's text is not (or, for an excerpt, no longer in) what it names.
 # unmarked: no marker, or not one of the kinds above. unknown: it names nothing that exists.
@@ -136,17 +139,22 @@ class UnknownReference(LookupError):
 
 
 def resolve(reference: str) -> tuple[str, ...]:
-    """The current text of ``sql.NAME`` or ``migration.NAME``, read now (not at import)."""
+    """The current text of ``MODULE.NAME`` (a statement of django_pgjobs.MODULE) or
+    ``migration.NAME``, read now (not at import)."""
     match = _REFERENCE.match(reference)
     if not match:
-        raise UnknownReference(f"{reference!r} is neither sql.NAME nor migration.NAME")
-    if match["kind"] == "sql":
-        sql = importlib.import_module("django_pgjobs.sql")
-        value = getattr(sql, match["name"], None)
+        raise UnknownReference(f"{reference!r} is neither MODULE.NAME nor migration.NAME")
+    if match["module"]:
+        path = f"django_pgjobs.{match['module']}"
+        try:
+            module = importlib.import_module(path)
+        except ModuleNotFoundError:
+            raise UnknownReference(f"{path}: no such module") from None
+        value = getattr(module, match["name"], None)
         # Statements are the upper-case constants (a type alias is a string too).
         if not isinstance(value, str) or not match["name"].isupper():
             what = "no such constant" if value is None else "not a statement"
-            raise UnknownReference(f"django_pgjobs.sql.{match['name']}: {what}")
+            raise UnknownReference(f"{path}.{match['name']}: {what}")
         # One statement joined from fragments: a blank line inside it is where two were joined.
         return tuple(line for line in statement_lines(value) if line)
     try:
@@ -185,8 +193,9 @@ def _is_excerpt(body: Sequence[str], text: Sequence[str]) -> bool:
 
 
 _UNMARKED = (
-    "put a marker on the line before the block: <!-- sql.NAME -->, <!-- migration.NAME -->, "
-    "<!-- excerpt: sql.NAME -->, <!-- quoted: TITLE --> or <!-- example -->"
+    "put a marker on the line before the block: <!-- core.claim.CLAIM -->, "
+    "<!-- migration.NAME -->, <!-- excerpt: core.claim.CLAIM -->, <!-- quoted: TITLE --> or "
+    "<!-- example -->"
 )
 
 

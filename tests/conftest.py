@@ -14,7 +14,7 @@ from asgiref.sync import SyncToAsync
 from django.conf import settings
 from django.db import connection
 
-from django_pgjobs.lifecycle import REAP_SETTLE
+from django_pgjobs.core.upkeep import REAP_SETTLE
 from django_pgjobs.notify import notifier
 from tests.helpers import wait_until
 from tests.workers import Workers
@@ -55,7 +55,7 @@ def workers(tmp_path: Path) -> Iterator[Workers]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _server_past_its_first_minute(django_db_setup: None, django_db_blocker: Any) -> None:
-    """Nothing is reaped in a server's first minute (lifecycle.REAP_SETTLE): on a server the
+    """Nothing is reaped in a server's first minute (upkeep.REAP_SETTLE): on a server the
     suite has just started, wait that minute out once, rather than in every test that reaps."""
     with django_db_blocker.unblock(), connection.cursor() as cursor:
         cursor.execute("SELECT extract(epoch FROM now() - pg_postmaster_start_time())::float8")

@@ -268,7 +268,7 @@ def worker_record(
     ttl: timedelta = timedelta(minutes=5),
     host: str = "web-1",
 ) -> dict[str, Any]:
-    """The parameters of ``sql.WORKER_BEAT`` for a worker's registry row, as a worker writes
+    """The parameters of ``upkeep.WORKER_BEAT`` for a worker's registry row, as a worker writes
     it on its tick; a negative ``ttl`` is a row already expired."""
     return {
         "worker_id": worker_id,
@@ -311,7 +311,7 @@ def session_cookie(user: Any) -> str:
 def register_worker(
     worker_id: str, queues: dict[str, int | None], tasks: list[str] | None = None
 ) -> None:
-    """A live worker's registry row, written with the worker's own ``sql.WORKER_BEAT``."""
-    from django_pgjobs import sql
+    """A live worker's registry row, written with the worker's own ``upkeep.WORKER_BEAT``."""
+    from django_pgjobs.core import execute, upkeep
 
-    sql.run(connections["default"], sql.WORKER_BEAT, worker_record(worker_id, queues, tasks))
+    execute.run(connections["default"], upkeep.WORKER_BEAT, worker_record(worker_id, queues, tasks))

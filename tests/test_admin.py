@@ -24,9 +24,9 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_pgjobs import sql
 from django_pgjobs.admin import CHART_HEIGHT, CHART_TOP, STATUS_COLOURS
 from django_pgjobs.models import Job, Status
+from django_pgjobs.ops import dashboard, doctor
 from tests.helpers import (
     DbThread,
     db_now,
@@ -878,13 +878,13 @@ class CheapQueryTests(TransactionTestCase):
     def test_dashboard_and_failed_list_read_indexes_not_the_table(self) -> None:
         assert scalar("SELECT count(*) FROM pgjobs_job WHERE status = 'done'") == self.DONE_ROWS
         expected = {
-            "QUEUE_DEPTH": (sql.QUEUE_DEPTH, {}, "pgjobs_job_ready_idx"),
-            "RUNNING_BY_QUEUE": (sql.RUNNING_BY_QUEUE, {}, "pgjobs_job_lease_idx"),
-            "FAILED_BY_QUEUE": (sql.FAILED_BY_QUEUE, {}, "pgjobs_job_failed_idx"),
-            "THROUGHPUT": (sql.THROUGHPUT, {"minutes": 60}, "pgjobs_job_finished_idx"),
-            "RECENT_FAILURES": (sql.RECENT_FAILURES, {"limit": 10}, "pgjobs_job_failed_idx"),
+            "QUEUE_DEPTH": (dashboard.QUEUE_DEPTH, {}, "pgjobs_job_ready_idx"),
+            "RUNNING_BY_QUEUE": (dashboard.RUNNING_BY_QUEUE, {}, "pgjobs_job_lease_idx"),
+            "FAILED_BY_QUEUE": (dashboard.FAILED_BY_QUEUE, {}, "pgjobs_job_failed_idx"),
+            "THROUGHPUT": (dashboard.THROUGHPUT, {"minutes": 60}, "pgjobs_job_finished_idx"),
+            "RECENT_FAILURES": (dashboard.RECENT_FAILURES, {"limit": 10}, "pgjobs_job_failed_idx"),
             # jobsdoctor's count: a BitmapOr over the queued and the running partial indexes.
-            "SUSPECTS": (sql.SUSPECTS, {}, "pgjobs_job_lease_idx"),
+            "SUSPECTS": (doctor.SUSPECTS, {}, "pgjobs_job_lease_idx"),
         }
         for name, (statement, params, index) in expected.items():
             assert index in assert_no_table_scan(statement, params), name

@@ -4,7 +4,7 @@ the ready jobs no live worker can run.
 Pages are fetched and forms posted through Django's test client, as real users with real
 ``Permission`` rows; each button acts through ``Job.objects.pause``/``resume``/``set_limits``
 and the test reads the ``pgjobs_queue`` row those write. Registry rows are written with
-``sql.WORKER_BEAT``, the worker's own statement.
+``upkeep.WORKER_BEAT``, the worker's own statement.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from django.db import connection
 from django.test import Client, TestCase
 from django.urls import reverse
 
-from django_pgjobs import sql
+from django_pgjobs.core import upkeep
 from django_pgjobs.models import Job
 from tests.helpers import make_job, query, worker_record
 from tests.test_admin import client_for, make_user, messages_of, table, text
@@ -40,7 +40,7 @@ def queue_row(name: str) -> tuple[Any, ...] | None:
 def beat(worker_id: str, queues: dict[str, int | None], tasks: list[str] | None) -> None:
     """A live worker's registry row, as the worker writes it on its tick."""
     with connection.cursor() as cursor:
-        cursor.execute(sql.WORKER_BEAT, worker_record(worker_id, queues, tasks))
+        cursor.execute(upkeep.WORKER_BEAT, worker_record(worker_id, queues, tasks))
 
 
 def control_rows(page: str) -> dict[str, list[str]]:

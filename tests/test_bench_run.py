@@ -123,26 +123,26 @@ def test_the_statements_diagnostic_knows_the_worker_statements_by_their_normalis
     each must still match its statement, and no other's, or the breakdown would quietly print
     zeros or count another statement."""
     from benchmarks.statements import KINDS
-    from django_pgjobs import sql
+    from django_pgjobs.core import claim, finish, upkeep
 
     def normalised(statement: str) -> str:
         text = re.sub(r"%\(\w+\)s|'[^']*'|\b\d+\b", "$1", statement)
         return re.sub(r"\s+", " ", text).strip()
 
     statements = {
-        "claim": sql.limited(sql.CLAIM, 8),
-        "idle claim": sql.limited(sql.CLAIM_IDLE, 8),
-        "complete": sql.COMPLETE,
-        "outlook": sql.OUTLOOK,
+        "claim": claim.limited(claim.CLAIM, 8),
+        "idle claim": claim.limited(claim.CLAIM_IDLE, 8),
+        "complete": finish.COMPLETE,
+        "outlook": claim.OUTLOOK,
     }
     others = [
-        sql.FAIL,
-        sql.EXTEND_LEASE,
-        sql.RELEASE,
-        sql.CLAIM_GUARDED,
-        sql.CLAIM_COMPLETING,
-        sql.REAP,
-        sql.SNOOZE,
+        finish.FAIL,
+        finish.EXTEND_LEASE,
+        finish.RELEASE,
+        claim.CLAIM_GUARDED,
+        claim.CLAIM_COMPLETING,
+        upkeep.REAP,
+        finish.SNOOZE,
     ]
     for kind, start, part in KINDS:
         text = normalised(statements[kind])

@@ -19,7 +19,7 @@ import pytest
 from django.db import OperationalError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from django_pgjobs import lifecycle
+from django_pgjobs.core import finish
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job
 from django_pgjobs.worker.completer import Completer
@@ -142,9 +142,9 @@ def test_a_cancelled_running_jobs_later_writes_change_nothing() -> None:
 
     # What the worker reads to tell a cancel from a lease lost to the reaper: this claim, and
     # not another claim of the same job.
-    assert lifecycle.cancelled_among(connection, [claimed]) == {job_id}
-    assert lifecycle.cancelled_among(connection, [(job_id, 2)]) == set()
-    assert lifecycle.cancelled_among(connection, []) == set()
+    assert finish.cancelled_among(connection, [claimed]) == {job_id}
+    assert finish.cancelled_among(connection, [(job_id, 2)]) == set()
+    assert finish.cancelled_among(connection, []) == set()
 
 
 def test_in_transaction_mode_the_cancel_waits_for_the_jobs_transaction_and_finds_it_done() -> None:

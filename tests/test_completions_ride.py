@@ -1,4 +1,4 @@
-"""A busy worker's completions ride with its next claim (``sql.CLAIM_COMPLETING``): one
+"""A busy worker's completions ride with its next claim (``claim.CLAIM_COMPLETING``): one
 statement, one transaction, each completion still fenced, and nothing written when it fails.
 
 The worker's own parts run in this process: a lease-mode producer side (``LeaseMode``), a
@@ -17,8 +17,9 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 
-from django_pgjobs import conf, sql
-from django_pgjobs.lifecycle import ClaimedJob
+from django_pgjobs import conf
+from django_pgjobs.core import finish
+from django_pgjobs.core.types import ClaimedJob
 from django_pgjobs.models import Job
 from django_pgjobs.worker import completer as completer_module
 from django_pgjobs.worker.completer import Completer
@@ -286,7 +287,9 @@ def test_a_word_that_cannot_be_sent_loses_nothing_written(
     first, second = (Job.objects.enqueue(noop, {}, queue="limited").id for _ in range(2))
     # The server refuses the word: a channel name longer than it allows.
     monkeypatch.setattr(
-        sql, "WAKE_FREED", "SELECT pg_notify(repeat('x', 100), 'limited') WHERE %(ids)s IS NOT NULL"
+        finish,
+        "WAKE_FREED",
+        "SELECT pg_notify(repeat('x', 100), 'limited') WHERE %(ids)s IS NOT NULL",
     )
     parts.completer.start()
     assert parts.mode.dispatch("limited", 1, True) == 1

@@ -15,9 +15,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from psycopg import sql as pgsql
 
-from django_pgjobs import sql
 from django_pgjobs.connections import DirectConnections
-from django_pgjobs.lifecycle import ClaimedJob
+from django_pgjobs.core import execute
+from django_pgjobs.core.types import ClaimedJob
 from django_pgjobs.models import Job
 from django_pgjobs.worker.store import Store
 from testproject.testjobs import noop
@@ -115,7 +115,7 @@ def test_a_threads_statements_share_one_cursor_that_an_error_does_not_spoil(
     jobs = claim(direct)
     assert [job.id for job in jobs] == [plain.id]
     with pytest.raises(psycopg.errors.DivisionByZero):
-        sql.run(direct.cursor(), "SELECT 1 / 0", {})
+        execute.run(direct.cursor(), "SELECT 1 / 0", {})
     # The guarded claim runs its transaction on the cursor's connection.
     guarded = store(direct).claim("default", 5, timedelta(seconds=60), "test:1", guarded=True)
     assert [job.id for job in guarded] == [keyed.id]

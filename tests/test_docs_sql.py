@@ -1,8 +1,8 @@
 """The SQL the docs show is the SQL django-pgjobs sends (scripts/docs_sql.py).
 
-The first three tests read the real docs, with the statements as sql.py and the migrations
-define them at the time the test runs. The others hand the checker small docs with one kind of
-mistake each, so that each guard is shown to catch what it is for.
+The first three tests read the real docs, with the statements as the app's modules and the
+migrations define them at the time the test runs. The others hand the checker small docs with one
+kind of mistake each, so that each guard is shown to catch what it is for.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from django_pgjobs import sql
+from django_pgjobs.core import claim, finish
 from scripts import docs_sql
 
 ARTICLE = next(iter(docs_sql.SOURCES))
@@ -65,14 +65,14 @@ def indented(text: str, indent: str) -> str:
 
 
 def test_a_statement_that_changed_is_found_and_rewritten(tmp_path: Path) -> None:
-    stale_claim = sql.CLAIM.replace("FOR UPDATE SKIP LOCKED", "FOR UPDATE")
+    stale_claim = claim.CLAIM.replace("FOR UPDATE SKIP LOCKED", "FOR UPDATE")
     stale_claim = "\n".join(line for line in stale_claim.split("\n") if line)
     path = page(
         tmp_path,
         f"""
         # Claims
 
-        <!-- sql.CLAIM -->
+        <!-- core.claim.CLAIM -->
         ```sql
 {indented(stale_claim, " " * 8)}
         ```
@@ -87,7 +87,7 @@ def test_a_statement_that_changed_is_found_and_rewritten(tmp_path: Path) -> None
     )
     in_list = 10 + stale_claim.count("\n") + 1  # after the heading, the claim, the list item
     assert found("drift", tmp_path) == [
-        "docs/page.md:4: differs from sql.CLAIM: run scripts/docs_sql.py",
+        "docs/page.md:4: differs from core.claim.CLAIM: run scripts/docs_sql.py",
         f"docs/page.md:{in_list}: differs from migration.0002_job_results: run scripts/docs_sql.py",
     ]
     assert script(tmp_path, "--check").returncode == 1
@@ -96,8 +96,8 @@ def test_a_statement_that_changed_is_found_and_rewritten(tmp_path: Path) -> None
     rewritten = script(tmp_path)
     assert (rewritten.returncode, rewritten.stdout) == (0, "rewrote docs/page.md\n")
     text = path.read_text(encoding="utf-8")
-    claim = "\n".join(line for line in sql.CLAIM.strip("\n").split("\n") if line)
-    assert f"<!-- sql.CLAIM -->\n```sql\n{claim}\n```\n" in text
+    claimed = "\n".join(line for line in claim.CLAIM.strip("\n").split("\n") if line)
+    assert f"<!-- core.claim.CLAIM -->\n```sql\n{claimed}\n```\n" in text
     assert "    ```sql\n    SET LOCAL lock_timeout = '5s';\n    ALTER TABLE pgjobs_job\n" in text
     assert script(tmp_path, "--check").returncode == 0
     assert found("drift", tmp_path) == []
@@ -141,11 +141,11 @@ def test_a_marker_that_names_nothing_is_found(tmp_path: Path) -> None:
     page(
         tmp_path,
         """
-        <!-- sql.CLAIM_ALL -->
+        <!-- core.claim.CLAIM_ALL -->
         ```sql
         ```
 
-        <!-- sql.run -->
+        <!-- core.execute.run -->
         ```sql
         ```
 
@@ -153,7 +153,7 @@ def test_a_marker_that_names_nothing_is_found(tmp_path: Path) -> None:
         ```sql
         ```
 
-        <!-- excerpt: sql.COMPLETED -->
+        <!-- excerpt: core.finish.COMPLETED -->
         ```sql
         WHERE j.status = 'running'
         ```
@@ -165,12 +165,14 @@ def test_a_marker_that_names_nothing_is_found(tmp_path: Path) -> None:
         """,
     )
     assert found("unknown", tmp_path) == [
-        "docs/page.md:2: <!-- sql.CLAIM_ALL -->: django_pgjobs.sql.CLAIM_ALL: no such constant",
-        "docs/page.md:6: <!-- sql.run -->: django_pgjobs.sql.run: not a statement",
+        "docs/page.md:2: <!-- core.claim.CLAIM_ALL -->: django_pgjobs.core.claim.CLAIM_ALL: "
+        "no such constant",
+        "docs/page.md:6: <!-- core.execute.run -->: django_pgjobs.core.execute.run: "
+        "not a statement",
         "docs/page.md:10: <!-- migration.0999_nothing -->: "
         "no migration django_pgjobs/migrations/0999_nothing.py",
-        "docs/page.md:14: <!-- excerpt: sql.COMPLETED -->: "
-        "django_pgjobs.sql.COMPLETED: no such constant",
+        "docs/page.md:14: <!-- excerpt: core.finish.COMPLETED -->: "
+        "django_pgjobs.core.finish.COMPLETED: no such constant",
         "docs/page.md:19: <!-- quoted: Postgres queues for the impatient -->: no source article "
         f"titled 'Postgres queues for the impatient' (they are: {'; '.join(docs_sql.SOURCES)})",
     ]
@@ -178,14 +180,14 @@ def test_a_marker_that_names_nothing_is_found(tmp_path: Path) -> None:
 
 
 def test_an_excerpt_is_checked_and_never_rewritten(tmp_path: Path) -> None:
-    fence = [line for line in sql.COMPLETE.split("\n") if "j.status = 'running'" in line]
+    fence = [line for line in finish.COMPLETE.split("\n") if "j.status = 'running'" in line]
     text = f"""
-        <!-- excerpt: sql.COMPLETE -->
+        <!-- excerpt: core.finish.COMPLETE -->
         ```sql
         {fence[0]}
         ```
 
-        <!-- excerpt: sql.COMPLETE -->
+        <!-- excerpt: core.finish.COMPLETE -->
         ```sql
         WHERE j.id = mine.id AND j.attempts = mine.attempts
         ```
@@ -197,11 +199,11 @@ def test_an_excerpt_is_checked_and_never_rewritten(tmp_path: Path) -> None:
         """
     path = page(tmp_path, text)
     assert found("drift", tmp_path) == [
-        "docs/page.md:7: these lines are not in sql.COMPLETE (any more): edit the excerpt"
+        "docs/page.md:7: these lines are not in core.finish.COMPLETE (any more): edit the excerpt"
     ]
     assert found("unknown", tmp_path) == found("unmarked", tmp_path) == []
     before = path.read_text(encoding="utf-8")
     result = script(tmp_path)
     assert result.returncode == 1
-    assert "docs/page.md:7: these lines are not in sql.COMPLETE" in result.stderr
+    assert "docs/page.md:7: these lines are not in core.finish.COMPLETE" in result.stderr
     assert path.read_text(encoding="utf-8") == before

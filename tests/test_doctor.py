@@ -35,15 +35,15 @@ import psycopg
 import pytest
 from psycopg import sql as pgsql
 
-from django_pgjobs import sql
-from django_pgjobs.doctor import Thresholds
+from django_pgjobs.core import claim, control, upkeep
+from django_pgjobs.ops.doctor import Thresholds
 from scripts.pgserver import ThrowawayPostgres
 from tests.helpers import NOOP, PLAIN_COLUMNS, TIME_COLUMNS, wait_until, worker_record
 from tests.workers import Workers, ran
 
 SCALE_FACTOR = "autovacuum_vacuum_scale_factor=0.01"
 DEAD_ROWS = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'pgjobs_job'::regclass"
-# How long the doctor counts the table as unvacuumed (the same expression as sql.TABLE_HEALTH).
+# How long the doctor counts the table as unvacuumed (the same expression as its TABLE_HEALTH).
 UNVACUUMED_FOR = (
     "SELECT extract(epoch FROM now() - coalesce(greatest(last_autovacuum, last_vacuum), "
     "pg_postmaster_start_time())) FROM pg_stat_user_tables WHERE relid = 'pgjobs_job'::regclass"
@@ -169,7 +169,7 @@ def register(
 ) -> None:
     """A live worker's registry row, written with the worker's own statement."""
     server.query(
-        sql.WORKER_BEAT,
+        upkeep.WORKER_BEAT,
         worker_record(worker_id, queues, tasks, ttl=timedelta(hours=1), host="doctor-host"),
     )
 
@@ -292,7 +292,7 @@ def test_a_session_idle_in_transaction_holding_a_claim_is_named_until_it_commits
         pid = holder.info.backend_pid
         holder.execute("BEGIN")
         held = holder.execute(
-            sql.CLAIM,
+            claim.CLAIM,
             {
                 "queue": "default",
                 "limit": 1,
@@ -1057,9 +1057,9 @@ def test_a_task_no_live_worker_serving_its_queue_knows_is_named(
 def test_paused_queues_are_listed_and_are_no_problem(server: Server, doctor: Doctor) -> None:
     server.insert(3, queue="emails")
     for queue in ("emails", "reports"):
-        server.query(sql.PAUSE, {"queue": queue})
+        server.query(control.PAUSE, {"queue": queue})
     server.query(
-        sql.SET_LIMITS,
+        control.SET_LIMITS,
         {
             "queue": "default",
             "concurrency": 2,
@@ -1073,5 +1073,5 @@ def test_paused_queues_are_listed_and_are_no_problem(server: Server, doctor: Doc
     assert "Paused queues: emails, reports\n" in text.output
     assert doctor("--json").json()["paused"] == ["emails", "reports"]
 
-    server.query(sql.RESUME, {"queue": "emails", "channel": "pgjobs"})
+    server.query(control.RESUME, {"queue": "emails", "channel": "pgjobs"})
     assert "Paused queues: reports\n" in doctor.healthy().output

@@ -2,7 +2,7 @@
 
 Situations are made the way the queue makes them: ``Job.objects.pause`` and ``set_limits``,
 jobs claimed by the real claim (``Job.objects.claim``, the guarded one where limits and keys
-apply), registry rows written with the worker's own statement (``sql.WORKER_BEAT``), and a real
+apply), registry rows written with the worker's own statement (``upkeep.WORKER_BEAT``), and a real
 worker process for a job that is running. Where a reason says the claim will not take a job,
 the test asks the claim too, and after the cause is lifted checks that the explanation and the
 claim agree again.
@@ -20,9 +20,10 @@ from django.db import connection
 from django.test import TestCase
 from django.urls import reverse
 
-from django_pgjobs import sql
-from django_pgjobs.explain import AHEAD_LIMIT, Reason, explain
+from django_pgjobs.core import upkeep
 from django_pgjobs.models import Job
+from django_pgjobs.ops import explain as explaining
+from django_pgjobs.ops.explain import AHEAD_LIMIT, Reason, explain
 from tests.helpers import job_row, make_job, make_jobs, query, scalar, wait_until, worker_record
 from tests.test_admin import assert_no_table_scan, client_for, make_user, text
 from tests.workers import Workers
@@ -50,7 +51,7 @@ def beat(
     """A live worker's registry row, as the worker writes it on its tick."""
     record = {**worker_record(worker_id, queues, tasks), "mode": mode}
     with connection.cursor() as cursor:
-        cursor.execute(sql.WORKER_BEAT, record)
+        cursor.execute(upkeep.WORKER_BEAT, record)
 
 
 def set_columns(job_id: int, **values: Any) -> None:
@@ -404,7 +405,9 @@ def test_the_statement_reads_partial_indexes_on_a_big_table() -> None:
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE pgjobs_job")
     for job in (queued, running, done):
-        indexes = assert_no_table_scan(sql.EXPLAIN_JOB, {"id": job, "ahead_limit": AHEAD_LIMIT + 1})
+        indexes = assert_no_table_scan(
+            explaining.EXPLAIN_JOB, {"id": job, "ahead_limit": AHEAD_LIMIT + 1}
+        )
         assert {"pgjobs_job_pkey", "pgjobs_job_ready_idx", "pgjobs_job_lock_idx"} <= indexes
 
 

@@ -20,8 +20,8 @@ import psycopg
 import pytest
 from django.db import connection
 
+from django_pgjobs.core.upkeep import REAP_SETTLE
 from django_pgjobs.exceptions import InvalidJobOptions
-from django_pgjobs.lifecycle import REAP_SETTLE
 from django_pgjobs.models import Job
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker.completer import Completer

@@ -1,5 +1,5 @@
 """``django_pgjobs.views.health`` over real HTTP, its settings' system checks, and
-``jobsdoctor --watch`` (``doctor.Watch``): one alarm per breach.
+``jobsdoctor --watch`` (``watch.Watch``): one alarm per breach.
 
 The server these tests run on may have autovacuum off, and the doctor then reports it: that is
 a warning, never a 503, and the tests below never depend on whether it is there.
@@ -21,9 +21,11 @@ from django.core import mail
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from django_pgjobs import checks, doctor, signals, validation
-from django_pgjobs.doctor import Finding
+from django_pgjobs import checks, signals, validation
 from django_pgjobs.models import Job
+from django_pgjobs.ops import doctor
+from django_pgjobs.ops.doctor import Finding
+from django_pgjobs.ops.watch import Watch
 from tests.helpers import (
     http_get,
     make_job,
@@ -221,7 +223,7 @@ def test_good_monitoring_settings_pass_the_checks(settings: Any) -> None:
     assert doctor.Thresholds.from_settings() == doctor.Thresholds(lag=60, slot_age=1000, idle=2.5)
 
 
-# -- alarms: doctor.Watch and jobsdoctor --watch --------------------------------------------
+# -- alarms: watch.Watch and jobsdoctor --watch --------------------------------------------
 
 
 class Alarms:
@@ -231,7 +233,7 @@ class Alarms:
         self.sent: list[list[Finding]] = []
 
     def __call__(self, sender: Any, findings: list[Finding], **named: Any) -> None:
-        assert sender is doctor.Watch
+        assert sender is Watch
         self.sent.append(findings)
 
 
@@ -260,7 +262,7 @@ def test_a_breach_alarms_once_until_the_queue_is_healthy_again(
     settings.ADMINS = ADMINS
     caplog.set_level(logging.INFO, logger="django_pgjobs.doctor")
     register_worker("web-1:1", {"default": None})
-    watch = doctor.Watch(mail=True)
+    watch = Watch(mail=True)
 
     def errors() -> list[logging.LogRecord]:
         return [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -303,7 +305,7 @@ def test_a_breach_alarms_once_until_the_queue_is_healthy_again(
 
 def test_another_kind_of_outage_during_a_breach_alarms_too(alarms: Alarms) -> None:
     register_worker("web-1:1", {"default": None})
-    watch = doctor.Watch()
+    watch = Watch()
     make_job(status="running", attempts=1, locked_until=timedelta(minutes=-1))
     watch.tick()
     # While the expired lease stays, a queue loses its workers: that is news.
@@ -317,7 +319,7 @@ def test_another_kind_of_outage_during_a_breach_alarms_too(alarms: Alarms) -> No
 
 
 def test_warnings_alone_never_alarm(alarms: Alarms) -> None:
-    watch = doctor.Watch()
+    watch = Watch()
     findings = [*watch.tick(), *watch.tick()]
     assert all(not finding.outage for finding in findings)
     assert alarms.sent == []
@@ -326,7 +328,7 @@ def test_warnings_alone_never_alarm(alarms: Alarms) -> None:
 def test_without_mail_admins_no_mail_is_sent(alarms: Alarms, settings: Any) -> None:
     settings.ADMINS = ADMINS
     make_job(status="running", attempts=1, locked_until=timedelta(minutes=-1))
-    doctor.Watch().tick()
+    Watch().tick()
     assert len(alarms.sent) == 1
     assert mail.outbox == []
 
@@ -342,7 +344,7 @@ def test_a_mail_server_that_refuses_is_logged_and_the_watch_goes_on(
     settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
     settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", 1  # nothing listens there
     make_job(status="running", attempts=1, locked_until=timedelta(minutes=-1))
-    watch = doctor.Watch(mail=True)
+    watch = Watch(mail=True)
     watch.tick()
     watch.tick()
     assert len(alarms.sent) == 1

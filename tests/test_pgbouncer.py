@@ -32,7 +32,7 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
-from django_pgjobs import conf, sql
+from django_pgjobs import conf, notify
 from tests.helpers import PATIENCE, raw_connect, wait_until
 from tests.workers import LISTENER_APP, Process, Workers, listener_backends, query, ran, scalar
 
@@ -272,7 +272,7 @@ def test_5000_jobs_through_pgbouncer_run_once_and_notify_still_wakes_a_listener(
         # Its LISTEN done (the health probe, SELECT 1, may already have followed it).
         return len(rows) == 1 and rows[0] in {
             ("idle", f'LISTEN "{conf.channel()}"'),
-            ("idle", sql.PROBE),
+            ("idle", notify.PROBE),
         }
 
     wait_until(listening, interval=0.05, message="the worker to LISTEN")

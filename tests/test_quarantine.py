@@ -13,7 +13,7 @@ from django.core import checks
 from django.db import transaction
 from django.test import override_settings
 
-from django_pgjobs.lifecycle import ClaimedJob
+from django_pgjobs.core.types import ClaimedJob
 from django_pgjobs.models import Job
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.executor import Shared

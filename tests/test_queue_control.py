@@ -22,10 +22,12 @@ import pytest
 from django.db import connection, transaction
 
 import django_pgjobs
-from django_pgjobs import conf, lifecycle, sql
+from django_pgjobs import conf
+from django_pgjobs.core import claim, finish, upkeep
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job, QueueState
 from django_pgjobs.notify import notifier
+from django_pgjobs.ops import dashboard
 from django_pgjobs.worker import Worker
 from testproject.shop.models import Order
 from tests.helpers import (
@@ -346,22 +348,22 @@ def test_a_short_claim_whose_rate_window_moved_on_before_the_outlook_still_wakes
     Job.objects.set_limits("moved", rate=(3, timedelta(seconds=60)))
     make_jobs(2, queue="moved")
     set_starts("moved", 65, 50, 20)  # three in the window 10 s ago; two now
-    assert lifecycle.outlook(connection, ["moved"], since=10.0).rate_free == 0.0
+    assert claim.outlook(connection, ["moved"], since=10.0).rate_free == 0.0
     # A window still full: the worker wakes when its oldest start leaves, 10 s from now.
     set_starts("moved", 50, 40, 20)
-    rate_free = lifecycle.outlook(connection, ["moved"], since=0.0).rate_free
+    rate_free = claim.outlook(connection, ["moved"], since=0.0).rate_free
     assert rate_free is not None
     assert 5.0 <= rate_free <= 10.0
     # A window that was not full did not cut the claim: nothing to wake for.
     set_starts("moved", 50, 20)
-    assert lifecycle.outlook(connection, ["moved"], since=0.0).rate_free is None
+    assert claim.outlook(connection, ["moved"], since=0.0).rate_free is None
     # Nor is there with the queue paused (resume() sends a NOTIFY), or with no ready job.
     set_starts("moved", 50, 40, 20)
     Job.objects.pause("moved")
-    assert lifecycle.outlook(connection, ["moved"], since=0.0).rate_free is None
+    assert claim.outlook(connection, ["moved"], since=0.0).rate_free is None
     Job.objects.resume("moved")
     Job.objects.filter(queue="moved").update(status="cancelled")
-    assert lifecycle.outlook(connection, ["moved"], since=0.0).rate_free is None
+    assert claim.outlook(connection, ["moved"], since=0.0).rate_free is None
 
 
 # -- lock keys ---------------------------------------------------------------------------------
@@ -494,7 +496,7 @@ def test_word_of_a_freed_slot_goes_only_to_queues_that_can_use_it() -> None:
     again = Job.objects.enqueue(NOOP, queue="rekeyed", lock_key="r").id
     Job.objects.filter(id=again).update(status="running", attempts=1)
     with listening(conf.channel()) as listener:
-        lifecycle.wake_freed(connection, finished, channel=conf.channel())
+        finish.wake_freed(connection, finished, channel=conf.channel())
         assert sorted(listener.heard()) == ["keyed", "limited"]
 
 
@@ -528,7 +530,7 @@ def asleep_after_a_short_claim(process: Process, *, listeners: int, quiet: float
     ``quiet`` s: it is waiting for a NOTIFY or its next tick. Its LISTEN is in place too
     (``listeners``: how many LISTEN connections the test's workers have), or the claim that
     follows it could still take a job."""
-    assert OUTLOOK_HEAD in sql.OUTLOOK[:200]
+    assert OUTLOOK_HEAD in claim.OUTLOOK[:200]
     last: list[list[tuple[object, ...]]] = [[]]
     since = [time.monotonic()]
 
@@ -624,28 +626,30 @@ def test_a_worker_leaves_jobs_of_tasks_it_does_not_know_queued(workers: Workers)
 
 def test_the_registry_holds_live_workers_and_forgets_them(workers: Workers) -> None:
     worker = workers.start("--queue", "a=2", "--queue", "b", "--poll-interval", "1")
-    rows = wait_until(lambda: query(sql.LIVE_WORKERS), message="the worker's registry row")
+    rows = wait_until(lambda: query(dashboard.LIVE_WORKERS), message="the worker's registry row")
     worker_id, host, pid, mode, queues, tasks, version, _started_at, beat = rows[0]
     assert (pid, mode, json.loads(queues)) == (worker.pid, "lease", {"a": 2, "b": None})
     assert (host, version) == (socket.gethostname(), django_pgjobs.__version__)
     assert str(pid) in worker_id
     assert "testproject.testjobs.noop" in tasks
     # Refreshed on its tick (one second).
-    wait_until(lambda: query(sql.LIVE_WORKERS)[0][8] > beat, message="the registry row's next beat")
+    wait_until(
+        lambda: query(dashboard.LIVE_WORKERS)[0][8] > beat, message="the registry row's next beat"
+    )
     # A job of a task no live worker knows is listed, per task; an unserved queue too.
     make_job(task="newcode.jobs.send_invoice", queue="a")
     make_job(queue="nobody")
-    assert query(sql.UNRUNNABLE) == [
+    assert query(dashboard.UNRUNNABLE) == [
         ("a", "newcode.jobs.send_invoice", 1, True),
         ("nobody", "testproject.testjobs.noop", 1, False),
     ]
     # A clean exit deletes the row.
     worker.send(signal.SIGTERM)
     assert worker.wait() == 0
-    assert query(sql.LIVE_WORKERS) == []
+    assert query(dashboard.LIVE_WORKERS) == []
     # A row that stopped heartbeating is cleared by the reaper.
     with connection.cursor() as cursor:
-        cursor.execute(sql.WORKER_BEAT, worker_record("gone:1", {}, None, timedelta(seconds=-1)))
+        cursor.execute(upkeep.WORKER_BEAT, worker_record("gone:1", {}, None, timedelta(seconds=-1)))
     assert scalar("SELECT count(*) FROM pgjobs_worker") == 1
     Job.objects.reap()
     assert scalar("SELECT count(*) FROM pgjobs_worker") == 0

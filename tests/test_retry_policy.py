@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_pgjobs import JobFunction, lifecycle
-from django_pgjobs.lifecycle import FailedAttempt, Failure
+from django_pgjobs import JobFunction
+from django_pgjobs.core import finish
+from django_pgjobs.core.types import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.worker.executor import call, context, decide
 from tests.helpers import db_now, make_jobs, query
@@ -140,7 +141,7 @@ def test_jitter_spreads_200_delays_of_one_base_within_75_to_100_percent() -> Non
 
     for attempts, ids in ((jittered, every[:200]), (steady, every[200:])):
         before = db_now()
-        statuses = lifecycle.fail(connection, attempts, synchronous_commit=None)
+        statuses = finish.fail(connection, attempts, synchronous_commit=None)
         after = db_now()
         assert set(statuses.values()) == {"queued"}
         run_ats = [r[0] for r in query("SELECT run_at FROM pgjobs_job WHERE id = ANY(%s)", [ids])]

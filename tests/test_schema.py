@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from django.test import TestCase, TransactionTestCase
 
-from django_pgjobs import lifecycle, sql
+from django_pgjobs.core import claim, finish
 from django_pgjobs.models import ArchivedJob, Job, Status
 from tests.helpers import job_row, make_jobs, query, raw_connect, scalar
 
@@ -33,14 +33,14 @@ class ClaimPlanTests(TransactionTestCase):
         # A busy worker claims without suspects, Job.objects with them, an idle worker its
         # head (suspects allowed) and the rest (none) in one statement: every claim, each of
         # its parts, the same plan.
-        # Each as the worker sends it (sql.limited: the LIMIT written in), planned for its
+        # Each as the worker sends it (claim.limited: the LIMIT written in), planned for its
         # parameters and generically, as PostgreSQL plans it from the sixth claim on.
         claims = [
-            ("busy", sql.CLAIM, {"suspects": False}, ["next"]),
-            ("any", sql.CLAIM, {"suspects": True}, ["next"]),
-            ("idle", sql.CLAIM_IDLE, {}, ["head", "rest"]),
+            ("busy", claim.CLAIM, {"suspects": False}, ["next"]),
+            ("any", claim.CLAIM, {"suspects": True}, ["next"]),
+            ("idle", claim.CLAIM_IDLE, {}, ["head", "rest"]),
             # A busy claim that completes jobs in the same statement (COMPLETE_WITH_CLAIM).
-            ("completing", sql.CLAIM_COMPLETING, {"suspects": False, "claims": "[]"}, ["next"]),
+            ("completing", claim.CLAIM_COMPLETING, {"suspects": False, "claims": "[]"}, ["next"]),
         ]
         with connection.cursor() as cursor:
             cursor.execute("ANALYZE pgjobs_job")
@@ -55,7 +55,7 @@ class ClaimPlanTests(TransactionTestCase):
                     "suspects": True,
                     **extra,
                 }
-                limited = sql.limited(statement, 10)
+                limited = claim.limited(statement, 10)
                 plan = generic_plan(limited, params) if generic else custom_plan(limited, params)
                 text = "\n".join(plan)
                 assert "Seq Scan on pgjobs_job" not in text, text
@@ -120,7 +120,7 @@ def generic_plan(statement: str, params: dict[str, object]) -> list[str]:
 class ClaimPlanCacheTests(TransactionTestCase):
     def test_a_workers_repeated_claims_are_planned_once_per_batch_size(self) -> None:
         # A bound LIMIT kept every claim on a custom plan, planned afresh each time; with
-        # the number written in (sql.limited), PostgreSQL switches to the generic plan after
+        # the number written in (claim.limited), PostgreSQL switches to the generic plan after
         # five custom ones, for each size and kind of claim.
         # Thousands of ready rows: a generic plan guessing at a tenth of them is costly.
         make_jobs(5000)
@@ -129,7 +129,7 @@ class ClaimPlanCacheTests(TransactionTestCase):
             conn.execute("ANALYZE pgjobs_job")
             for idle, limit in itertools.product((False, True), (3, 4)):
                 for _ in range(7):
-                    jobs = lifecycle.claim(
+                    jobs = claim.claim(
                         conn,
                         queue="default",
                         limit=limit,
@@ -152,17 +152,17 @@ class ClaimPlanCacheTests(TransactionTestCase):
         with raw_connect() as conn:
             conn.prepare_threshold = 0
             conn.execute("ANALYZE pgjobs_job")
-            claim = {
+            params = {
                 "queue": "default",
                 "lease": timedelta(minutes=5),
                 "worker_id": "plans",
                 "synchronous_commit": "off",
             }
-            jobs = lifecycle.claim(conn, limit=3, suspects=False, **claim)  # type: ignore[arg-type]
+            jobs = claim.claim(conn, limit=3, suspects=False, **params)  # type: ignore[arg-type]
             for _ in range(7):
                 previous = jobs
-                jobs, done = lifecycle.claim_completing(
-                    conn, limit=3, tasks=None, jobs=previous, results={}, **claim
+                jobs, done = claim.claim_completing(
+                    conn, limit=3, tasks=None, jobs=previous, results={}, **params
                 )  # type: ignore[arg-type]
                 assert len(jobs) == 3
                 assert done == {job.id for job in previous}
@@ -174,23 +174,23 @@ class ClaimPlanCacheTests(TransactionTestCase):
         assert plans == [(2, 5)], plans
 
     def test_limited_writes_in_only_a_positive_integer(self) -> None:
-        assert "LIMIT 7\n" in sql.limited(sql.CLAIM, 7)
-        assert "LIMIT 7 - 1\n" in sql.limited(sql.CLAIM_IDLE, 7)
+        assert "LIMIT 7\n" in claim.limited(claim.CLAIM, 7)
+        assert "LIMIT 7 - 1\n" in claim.limited(claim.CLAIM_IDLE, 7)
         # Past the sizes that fit psycopg's prepared statements, the LIMIT stays bound.
-        assert f"LIMIT {sql.WRITTEN_LIMITS}\n" in sql.limited(sql.CLAIM, sql.WRITTEN_LIMITS)
-        assert sql.limited(sql.CLAIM, sql.WRITTEN_LIMITS + 1) == sql.CLAIM
+        assert f"LIMIT {claim.WRITTEN_LIMITS}\n" in claim.limited(claim.CLAIM, claim.WRITTEN_LIMITS)
+        assert claim.limited(claim.CLAIM, claim.WRITTEN_LIMITS + 1) == claim.CLAIM
         # A claim that completes jobs is one kind more on the producer's connection.
-        completing = sql.limited(sql.CLAIM_COMPLETING, sql.COMPLETING_LIMITS)
-        assert f"LIMIT {sql.COMPLETING_LIMITS}\n" in completing
-        limit = sql.COMPLETING_LIMITS + 1
-        assert sql.limited(sql.CLAIM_COMPLETING, limit) == sql.CLAIM_COMPLETING
-        sql.limited(sql.CLAIM, 1)  # cached: True, equal to 1, must not find it there
+        completing = claim.limited(claim.CLAIM_COMPLETING, claim.COMPLETING_LIMITS)
+        assert f"LIMIT {claim.COMPLETING_LIMITS}\n" in completing
+        limit = claim.COMPLETING_LIMITS + 1
+        assert claim.limited(claim.CLAIM_COMPLETING, limit) == claim.CLAIM_COMPLETING
+        claim.limited(claim.CLAIM, 1)  # cached: True, equal to 1, must not find it there
         for bad in (0, -1, True, 2.0, "3"):
             with self.subTest(limit=bad), pytest.raises(ValueError, match="positive integer"):
-                sql.limited(sql.CLAIM, bad)  # type: ignore[arg-type]
-        for size in (3, sql.WRITTEN_LIMITS + 1):
+                claim.limited(claim.CLAIM, bad)  # type: ignore[arg-type]
+        for size in (3, claim.WRITTEN_LIMITS + 1):
             with pytest.raises(ValueError, match="one LIMIT"):
-                sql.limited(sql.COMPLETE, size)
+                claim.limited(finish.COMPLETE, size)
 
 
 def line_of(plan: list[str], pattern: str) -> int:

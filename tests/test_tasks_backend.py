@@ -31,6 +31,7 @@ from django.utils import timezone
 
 from django_pgjobs import Snooze, current_job, registry
 from django_pgjobs.backends import InvalidTaskArguments, PgJobsBackend
+from django_pgjobs.core import claim
 from django_pgjobs.exceptions import InvalidPayload
 from django_pgjobs.models import Job
 from django_pgjobs.worker import Worker
@@ -488,7 +489,6 @@ def test_the_claim_takes_higher_priority_first_then_the_oldest() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_the_claim_with_task_priorities_still_scans_the_ready_index() -> None:
-    from django_pgjobs import sql
 
     for n in range(60):
         double.using(priority=(n * 37) % 201 - 100).enqueue(n)
@@ -497,7 +497,7 @@ def test_the_claim_with_task_priorities_still_scans_the_ready_index() -> None:
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE pgjobs_job")
         cursor.execute(
-            "EXPLAIN (COSTS OFF) " + sql.CLAIM,
+            "EXPLAIN (COSTS OFF) " + claim.CLAIM,
             {
                 "queue": "default",
                 "limit": 10,

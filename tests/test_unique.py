@@ -16,9 +16,10 @@ from django.db import OperationalError, connection, transaction
 from django.test import TestCase, TransactionTestCase
 from psycopg.errors import SerializationFailure
 
-from django_pgjobs import conf, job, lifecycle
+from django_pgjobs import conf, job
+from django_pgjobs.core import finish
+from django_pgjobs.core.types import FailedAttempt, Failure
 from django_pgjobs.exceptions import UniqueKeyBusy
-from django_pgjobs.lifecycle import FailedAttempt, Failure
 from django_pgjobs.managers import UNIQUE_TRIES, Enqueued
 from django_pgjobs.models import Job
 from testproject.testjobs import noop
@@ -208,7 +209,7 @@ class WindowTests(TestCase):
     def test_active_mode_a_final_failure_frees_the_key_with_attempts_left(self) -> None:
         Job.objects.enqueue(noop, unique_key="sync", unique_while="active", max_attempts=5)
         final = FailedAttempt(self.claim(), Failure.of("discarded"), (1.0, 1.0), final=True)
-        assert lifecycle.fail(connection, [final], synchronous_commit=None)
+        assert finish.fail(connection, [final], synchronous_commit=None)
         assert query("SELECT status, unique_key FROM pgjobs_job") == [("failed", None)]
         assert Job.objects.enqueue(noop, unique_key="sync").created is True
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from django_pgjobs import sql
+from django_pgjobs.core import claim
 from django_pgjobs.models import Job
 from testproject.shop.models import Order
 from testproject.testjobs import boom, long_running, noop
@@ -44,8 +44,8 @@ def test_two_workers_drain_ten_thousand_jobs_each_run_once(workers: Workers) -> 
         )
         wait_until(
             lambda: (
-                first.sent(sql.CLAIM_IDLE, waiting=True)
-                and second.sent(sql.CLAIM_IDLE, waiting=True)
+                first.sent(claim.CLAIM_IDLE, waiting=True)
+                and second.sent(claim.CLAIM_IDLE, waiting=True)
             ),
             message="both workers' first claim to wait on the lock",
         )
@@ -221,7 +221,7 @@ def test_worker_reaps_expired_leases_every_reap_interval_and_runs_them(
     worker = workers.start("--reap-interval", "1", "--poll-interval", "3600")
     # Its first tick is over (reap, claim, then the due-time lookup): the start-up reap has
     # come and gone.
-    wait_until(lambda: worker.sent(sql.OUTLOOK), message="the worker's first tick")
+    wait_until(lambda: worker.sent(claim.OUTLOOK), message="the worker's first tick")
     # A job whose worker vanished a minute ago, written after the start-up reap. make_job
     # sends no NOTIFY and the poll is an hour away: only a periodic reap can bring it back.
     job_id = make_job(

@@ -16,9 +16,9 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.test import override_settings
 
-from django_pgjobs import sql
+from django_pgjobs.core import claim, finish
+from django_pgjobs.core.types import FailedAttempt, Failure
 from django_pgjobs.exceptions import InvalidJobOptions
-from django_pgjobs.lifecycle import FailedAttempt, Failure
 from django_pgjobs.models import Job
 from django_pgjobs.worker.store import Store
 from django_pgjobs.worker.worker import Worker
@@ -94,7 +94,7 @@ def test_off_lasts_the_statements_transaction_and_never_reaches_the_session() ->
     with raw_connect() as conn:
         with conn.transaction():
             assert conn.execute("SHOW synchronous_commit").fetchone() == (default,)
-            rows = conn.execute(sql.COMPLETE, complete_params(job_id, "off")).fetchall()
+            rows = conn.execute(finish.COMPLETE, complete_params(job_id, "off")).fetchall()
             assert rows == [(job_id,)]
             assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
         assert conn.execute("SHOW synchronous_commit").fetchone() == (default,)
@@ -106,7 +106,7 @@ def test_the_claim_sets_it_the_same_way() -> None:
     default = server_default()
     with raw_connect() as conn:
         with conn.transaction():
-            rows = conn.execute(sql.CLAIM, claim_params("off")).fetchall()
+            rows = conn.execute(claim.CLAIM, claim_params("off")).fetchall()
             assert [row[0] for row in rows] == [job_id]
             assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
         assert conn.execute("SHOW synchronous_commit").fetchone() == (default,)
@@ -119,9 +119,9 @@ def test_none_keeps_the_sessions_own_value() -> None:
     with raw_connect() as conn:
         conn.execute("SET synchronous_commit = 'local'")
         with conn.transaction():
-            assert len(conn.execute(sql.CLAIM, claim_params(None)).fetchall()) == 1
+            assert len(conn.execute(claim.CLAIM, claim_params(None)).fetchall()) == 1
             assert conn.execute("SHOW synchronous_commit").fetchone() == ("local",)
-            conn.execute(sql.COMPLETE, complete_params(completed, None))
+            conn.execute(finish.COMPLETE, complete_params(completed, None))
             assert conn.execute("SHOW synchronous_commit").fetchone() == ("local",)
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("local",)
     assert job_row(claimed)["status"] == "running"
@@ -245,7 +245,7 @@ def test_off_really_skips_the_flush_at_commit() -> None:
                     "claims": json.dumps([{"id": job_id, "attempts": 1}]),
                     "synchronous_commit": setting,
                 }
-                assert conn.execute(sql.COMPLETE, params).fetchall() == [(job_id,)]
+                assert conn.execute(finish.COMPLETE, params).fetchall() == [(job_id,)]
         # A backend hands its WAL counts to the shared statistics as it exits, before it
         # leaves pg_stat_activity: read them once it has gone.
         wait_until(

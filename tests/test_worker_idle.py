@@ -12,7 +12,7 @@ from datetime import timezone as dt_timezone
 
 import pytest
 
-from django_pgjobs import sql
+from django_pgjobs import notify
 from django_pgjobs.models import Job
 from django_pgjobs.worker import Worker
 from testproject.testjobs import noop
@@ -141,7 +141,7 @@ def test_a_notify_that_comes_while_the_producer_looks_up_due_times_is_not_lost()
     thread.start()
     try:
         # Past start-up: the LISTEN, its catch-up claim, and the probe that follows them.
-        wait_until(lambda: listener_statements() == [sql.PROBE], message="the LISTEN probe")
+        wait_until(lambda: listener_statements() == [notify.PROBE], message="the LISTEN probe")
         # A job that runs until a second job is claimed beside it, announced to this worker
         # alone, with a free slot beside it. Were the wake-up lost, the second job would wait
         # for the first to end, and the first would wait for it in vain (and fail).

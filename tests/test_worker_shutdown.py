@@ -143,7 +143,7 @@ def test_a_looping_reaper_rides_out_a_database_restart(workers: Workers) -> None
                 lambda: (
                     f"job {job_id}: queued after 1 attempts" in reaper.output() or not reaper.alive
                 ),
-                # Nothing is reaped in the server's first minute (lifecycle.REAP_SETTLE).
+                # Nothing is reaped in the server's first minute (upkeep.REAP_SETTLE).
                 timeout=150,
                 message="the reaper to reap the job",
             )

@@ -10,7 +10,7 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from django_pgjobs import sql
+from django_pgjobs.core import claim
 from django_pgjobs.models import Job
 from testproject.shop.models import Order
 from testproject.testjobs import noop, sleep
@@ -113,7 +113,7 @@ def test_an_open_transaction_holding_a_claim_keeps_vacuum_from_removing_dead_row
         with holder.transaction():
             # The seed's experiment: a transaction-mode claim left open (a slow job).
             held = holder.execute(
-                sql.CLAIM,
+                claim.CLAIM,
                 {
                     "queue": "default",
                     "limit": 1,

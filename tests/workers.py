@@ -37,7 +37,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection, connections, transaction
 
 import tests.retry_jobs  # noqa: F401 - a worker with test_jobs=True runs these jobs too
-from django_pgjobs import current_job, job, sql
+from django_pgjobs import current_job, job, notify
 from testproject import ride_audit
 from tests import signal_receivers  # noqa: F401 - and has these receivers, when its env asks
 from tests.helpers import PATIENCE, job_row, wait_until
@@ -353,7 +353,7 @@ class Process:
             return (
                 len(now) >= 2
                 and {state for state, *_ in now.values()} == {"idle"}
-                and listener_statements() == [sql.PROBE]
+                and listener_statements() == [notify.PROBE]
                 and time.monotonic() - since[0] >= quiet
             )
 

@@ -14,7 +14,7 @@ failed with ``JobTimeout``; the worker is told so it can replace the executor st
 Deadlines and heartbeats share one wait, so an idle completer sleeps.
 
 With ``PGJOBS["COMPLETE_WITH_CLAIM"]`` (``with_claims``), completions ride with the producer's
-next claim instead (``sql.CLAIM_COMPLETING``): while the producer says it will claim as soon
+next claim instead (``claim.CLAIM_COMPLETING``): while the producer says it will claim as soon
 as a slot frees (``ride()``), a job's completion waits for that claim, which an executor
 finishing a job brings about at once. The producer takes them (``take_completions()``),
 writes them in its claim's statement and reports what it wrote (``completed()``), or gives
@@ -38,7 +38,8 @@ from django.db import connections
 
 from django_pgjobs import conf
 from django_pgjobs.context import JobContext
-from django_pgjobs.lifecycle import ClaimedJob, FailedAttempt, Failure, word_not_sent
+from django_pgjobs.core.finish import word_not_sent
+from django_pgjobs.core.types import ClaimedJob, FailedAttempt, Failure
 from django_pgjobs.worker.db import Backoff, unavailable
 from django_pgjobs.worker.executor import timed_out
 from django_pgjobs.worker.outcomes import (

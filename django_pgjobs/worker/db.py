@@ -7,16 +7,25 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from django.db import DatabaseError, InterfaceError, connections
 from django.db.backends.signals import connection_created
 from django.dispatch import receiver
 
-from django_pgjobs import sql
 from django_pgjobs.connections import connection_params
-from django_pgjobs.lifecycle import reason
+from django_pgjobs.core.types import reason
+
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString
+
+# Whether this server cannot take writes now: a standby (after a failover the old primary's
+# address may lead to one), or a session forced read-only.
+READ_ONLY: LiteralString = (
+    "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool"
+)
+
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -176,7 +185,7 @@ def probe_away(alias: str) -> bool:
         with psycopg.connect(
             **connection_params(alias, "pgjobs-probe"), autocommit=True, connect_timeout=5
         ) as probe:
-            row = probe.execute(sql.READ_ONLY).fetchone()
+            row = probe.execute(READ_ONLY).fetchone()
     except psycopg.Error:
         return True
     return bool(row and row[0])

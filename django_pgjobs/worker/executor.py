@@ -24,8 +24,8 @@ from django.db import connections, transaction
 
 from django_pgjobs import registry, signals, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
+from django_pgjobs.core.types import ClaimedJob, Failure
 from django_pgjobs.exceptions import InvalidPayload, JobTimeout, Snooze, UnknownTask
-from django_pgjobs.lifecycle import ClaimedJob, Failure
 from django_pgjobs.registry import JobFunction
 from django_pgjobs.worker.db import (
     async_database_away,

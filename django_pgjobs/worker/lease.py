@@ -23,10 +23,10 @@ from collections.abc import Callable
 import psycopg
 from django.db import DatabaseError
 
-from django_pgjobs import sql
 from django_pgjobs.context import JobContext
+from django_pgjobs.core import execute
+from django_pgjobs.core.types import ClaimedJob
 from django_pgjobs.exceptions import InvalidResult
-from django_pgjobs.lifecycle import ClaimedJob
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import reset_all, tidy, tidy_opened, unavailable
 from django_pgjobs.worker.executor import Shared, acall, call, context
@@ -51,7 +51,7 @@ class LeaseMode:
         queue_name: str,
         wanted: int,
         guarded: bool = False,
-        tasks: sql.TextArray | None = None,
+        tasks: execute.TextArray | None = None,
     ) -> int:
         """Claim up to ``wanted`` jobs of ``queue_name`` and hand them out; return how many.
         ``guarded``: through the guarded claim (the queue has a limit, or jobs with lock keys).
@@ -63,7 +63,7 @@ class LeaseMode:
         returns, not when an executor picks a job up: a job handed out before the stop runs
         however late its executor thread gets to it. An idle worker's claim may take a
         suspect first, which then runs alone; otherwise the rest of its batch, without
-        suspects, comes in the same statement (``sql.CLAIM_IDLE``). The guarded claim does
+        suspects, comes in the same statement (``claim.CLAIM_IDLE``). The guarded claim does
         the same in two statements: one job first, then the rest.
         """
         if self.completer.holds_any():
@@ -86,7 +86,7 @@ class LeaseMode:
         suspects: bool,
         guarded: bool = False,
         idle: bool = False,
-        tasks: sql.TextArray | None = None,
+        tasks: execute.TextArray | None = None,
     ) -> int:
         riding = [] if suspects or guarded else self.completer.take_completions()
         if riding:
@@ -126,10 +126,10 @@ class LeaseMode:
         return len(jobs)
 
     def _claim_completing(
-        self, queue_name: str, wanted: int, riding: list[Outcome], tasks: sql.TextArray | None
+        self, queue_name: str, wanted: int, riding: list[Outcome], tasks: execute.TextArray | None
     ) -> list[ClaimedJob]:
         """The busy claim, with the completer's waiting completions written in its statement
-        (``sql.CLAIM_COMPLETING``). If the statement fails they go back to the completer,
+        (``claim.CLAIM_COMPLETING``). If the statement fails they go back to the completer,
         unwritten (it is one transaction); a failure that is not an outage may be theirs (a
         result the database refuses), so the claim is made again without them, and the
         completer writes them, one by one if need be, never with a claim again."""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from asgiref.sync import sync_to_async
 
-from django_pgjobs.lifecycle import ClaimedJob
+from django_pgjobs.core.types import ClaimedJob
 from django_pgjobs.worker.db import mark_async_jobs_thread, reset_all
 from django_pgjobs.worker.lease import LeaseMode
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from django_pgjobs import registry, signals
+from django_pgjobs.core.types import ClaimedJob, Failure, last_line
 from django_pgjobs.exceptions import UnknownTask
-from django_pgjobs.lifecycle import ClaimedJob, Failure, last_line
 
 if TYPE_CHECKING:
     from django_pgjobs.worker.metrics import WorkerMetrics

@@ -1,7 +1,7 @@
 """The worker's scheduler: turns each schedule's due tick into a job, on the producer's thread.
 
 Every worker runs it (``runjobs --no-schedule`` turns it off). A step reads the database's
-clock, and for each schedule whose latest tick it has not yet handled runs ``sql.TICK``,
+clock, and for each schedule whose latest tick it has not yet handled runs ``schedules.TICK``,
 which enqueues the tick unless another worker already did. Then it sleeps until the
 earliest next tick: an idle worker sends nothing in between. Only the most recent tick is
 ever enqueued, so a worker starting after an outage enqueues one job per schedule, not one
@@ -24,7 +24,7 @@ import psycopg
 from django.db import DatabaseError
 
 from django_pgjobs import schedules
-from django_pgjobs.lifecycle import clean_error
+from django_pgjobs.core.types import clean_error
 from django_pgjobs.schedules import Schedule
 from django_pgjobs.worker.db import unavailable
 from django_pgjobs.worker.store import Store

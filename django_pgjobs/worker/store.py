@@ -4,7 +4,7 @@ A lease-mode worker runs its hot statements on its own direct psycopg connection
 thread (``connections.DirectConnections``), optionally prepared, with
 ``PGJOBS["WORKER_SYNCHRONOUS_COMMIT"]`` applied per statement. In transaction mode they run on
 the thread's Django connection, inside the job's transaction, with the server's durability.
-``Job.objects`` knows nothing of this: both run the same statements (``lifecycle.py``).
+``Job.objects`` knows nothing of this: both run the same statements (``core``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from typing import Any
 
 from django.db import connections
 
-from django_pgjobs import conf, lifecycle, schedules, sql
+from django_pgjobs import conf, schedules
 from django_pgjobs.connections import DirectConnections
-from django_pgjobs.lifecycle import Claim, ClaimedJob, FailedAttempt, Reaped
+from django_pgjobs.core import claim, execute, finish, upkeep
+from django_pgjobs.core.claim import Outlook
+from django_pgjobs.core.types import Claim, ClaimedJob, FailedAttempt, Reaped
 
 
 class Store:
@@ -36,11 +38,11 @@ class Store:
         # The tasks the claims may take (the worker's registry), or None for any; as the
         # claims send them.
         self.tasks = tasks
-        self._tasks = None if tasks is None else sql.TextArray.of(tasks)
+        self._tasks = None if tasks is None else execute.TextArray.of(tasks)
         self.synchronous_commit = synchronous_commit
         self.direct = DirectConnections(alias, prepare=prepare) if direct else None
 
-    def _connection(self) -> tuple[sql.Connection, str | None]:
+    def _connection(self) -> tuple[execute.Connection, str | None]:
         """This thread's connection, and the commit setting its statements may use."""
         if self.direct is not None:
             return self.direct.cursor(), self.synchronous_commit
@@ -64,12 +66,12 @@ class Store:
         suspects: bool = True,
         guarded: bool = False,
         idle: bool = False,
-        tasks: sql.TextArray | None = None,
+        tasks: execute.TextArray | None = None,
     ) -> list[ClaimedJob]:
-        """Claim through ``lifecycle.claim``; ``tasks``, when given, narrows the claim to
+        """Claim through ``claim.claim``; ``tasks``, when given, narrows the claim to
         those tasks instead of the store's own (the worker's registry, or any)."""
         connection, commit = self._connection()
-        return lifecycle.claim(
+        return claim.claim(
             connection,
             queue=queue,
             limit=limit,
@@ -91,12 +93,12 @@ class Store:
         jobs: Iterable[Claim],
         results: dict[int, Any],
         *,
-        tasks: sql.TextArray | None = None,
+        tasks: execute.TextArray | None = None,
     ) -> tuple[list[ClaimedJob], set[int]]:
         """A busy claim that completes ``jobs`` in the same statement
-        (``lifecycle.claim_completing``): the jobs claimed, the ids completed."""
+        (``claim.claim_completing``): the jobs claimed, the ids completed."""
         connection, commit = self._connection()
-        return lifecycle.claim_completing(
+        return claim.claim_completing(
             connection,
             queue=queue,
             limit=limit,
@@ -110,43 +112,43 @@ class Store:
 
     def complete(self, jobs: Iterable[Claim], results: dict[int, Any]) -> set[int]:
         connection, commit = self._connection()
-        return lifecycle.complete(connection, jobs, results, synchronous_commit=commit)
+        return finish.complete(connection, jobs, results, synchronous_commit=commit)
 
     def fail(self, attempts: Sequence[FailedAttempt]) -> dict[int, str]:
         connection, commit = self._connection()
-        return lifecycle.fail(connection, attempts, synchronous_commit=commit)
+        return finish.fail(connection, attempts, synchronous_commit=commit)
 
     def snooze(self, snoozes: Sequence[tuple[Claim, float]]) -> set[int]:
         connection, commit = self._connection()
-        return lifecycle.snooze(connection, snoozes, synchronous_commit=commit)
+        return finish.snooze(connection, snoozes, synchronous_commit=commit)
 
     def release(self, jobs: Iterable[Claim], *, outage: bool = False) -> set[int]:
         connection, commit = self._connection()
-        return lifecycle.release(connection, jobs, outage=outage, synchronous_commit=commit)
+        return finish.release(connection, jobs, outage=outage, synchronous_commit=commit)
 
     def extend_lease(self, jobs: Collection[Claim], lease: timedelta) -> set[int]:
         connection, commit = self._connection()
-        return lifecycle.extend_lease(connection, jobs, lease, synchronous_commit=commit)
+        return finish.extend_lease(connection, jobs, lease, synchronous_commit=commit)
 
     def cancelled_among(self, jobs: Collection[Claim]) -> set[int]:
-        return lifecycle.cancelled_among(self._connection()[0], jobs)
+        return finish.cancelled_among(self._connection()[0], jobs)
 
     def reap(self) -> list[Reaped]:
-        return lifecycle.reap(self._connection()[0], max_crashes=conf.max_crashes())
+        return upkeep.reap(self._connection()[0], max_crashes=conf.max_crashes())
 
     def wake_freed(self, job_ids: Collection[int]) -> None:
-        lifecycle.wake_freed(self._connection()[0], job_ids, channel=conf.channel())
+        finish.wake_freed(self._connection()[0], job_ids, channel=conf.channel())
 
-    def outlook(self, queues: Sequence[str], since: float) -> lifecycle.Outlook:
-        return lifecycle.outlook(self._connection()[0], queues, since)
+    def outlook(self, queues: Sequence[str], since: float) -> Outlook:
+        return claim.outlook(self._connection()[0], queues, since)
 
     def beat(self, record: Mapping[str, Any]) -> None:
-        """Write this worker's registry row (``sql.WORKER_BEAT``), or refresh it."""
-        sql.run(self._connection()[0], sql.WORKER_BEAT, record)
+        """Write this worker's registry row (``upkeep.WORKER_BEAT``), or refresh it."""
+        execute.run(self._connection()[0], upkeep.WORKER_BEAT, record)
 
     def gone(self, worker_id: str) -> None:
         """Delete this worker's registry row (a clean exit)."""
-        sql.run(self._connection()[0], sql.WORKER_GONE, {"worker_id": worker_id})
+        execute.run(self._connection()[0], upkeep.WORKER_GONE, {"worker_id": worker_id})
 
     def database_now(self) -> datetime:
         return schedules.database_now(self._connection()[0])

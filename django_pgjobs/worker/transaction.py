@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from django.db import DatabaseError, transaction
 
 from django_pgjobs import conf
-from django_pgjobs.lifecycle import ClaimedJob, FailedAttempt
+from django_pgjobs.core.types import ClaimedJob, FailedAttempt
 from django_pgjobs.worker.db import reset, tidy, unavailable
 from django_pgjobs.worker.executor import Shared, call, context, timed_out
 from django_pgjobs.worker.outcomes import RELEASE, SNOOZE, Outcome, finished

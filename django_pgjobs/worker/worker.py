@@ -30,10 +30,11 @@ import psycopg
 from django.db import DatabaseError, connections
 
 import django_pgjobs
-from django_pgjobs import conf, lifecycle, registry, schedules, sql, validation
+from django_pgjobs import conf, registry, schedules, validation
 from django_pgjobs.connections import connection_params
+from django_pgjobs.core import execute, finish, upkeep
+from django_pgjobs.core.types import default_worker_id
 from django_pgjobs.exceptions import InvalidJobOptions
-from django_pgjobs.lifecycle import default_worker_id
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker import metrics
 from django_pgjobs.worker.completer import Completer
@@ -128,8 +129,8 @@ class Worker:
         # loop runs some) does a worker whose executors are all busy claim async jobs alone,
         # so a worker whose queues hold only sync jobs claims as if it had no loop.
         self._async_seen = False
-        self._sync_tasks: sql.TextArray | None = None
-        self._async_tasks: sql.TextArray | None = None
+        self._sync_tasks: execute.TextArray | None = None
+        self._async_tasks: execute.TextArray | None = None
         self.registered_only = (
             conf.claim_registered_only()
             if registered_only is None
@@ -276,7 +277,7 @@ class Worker:
 
     def _expire_held(self) -> int:
         """End the leases of every job this worker holds, so the next reap requeues them
-        (with no crash counted: sql.EXPIRE_LEASE).
+        (with no crash counted: finish.EXPIRE_LEASE).
 
         One fenced statement on a fresh connection (the producer's may be mid-statement under
         this signal handler), bounded to a few seconds: an exit at once must not hang on an
@@ -292,7 +293,7 @@ class Worker:
             params["connect_timeout"] = timeout
             params["options"] = f"{params.get('options', '')} -c statement_timeout={timeout}s"
             with psycopg.connect(**params, autocommit=True) as conn:
-                return len(lifecycle.expire_lease(conn, held, synchronous_commit=None))
+                return len(finish.expire_lease(conn, held, synchronous_commit=None))
         except Exception:
             logger.exception(
                 "could not end the leases of %s jobs; they come back after their lease",
@@ -362,10 +363,10 @@ class Worker:
         ):
             # The tasks of each side, for a claim when only the executors or only the loop
             # have room (the registry's: a job of an unregistered task waits for both).
-            self._sync_tasks = sql.TextArray.of(
+            self._sync_tasks = execute.TextArray.of(
                 name for name in registry.names() if not registry.runs_async(name)
             )
-            self._async_tasks = sql.TextArray.of(
+            self._async_tasks = execute.TextArray.of(
                 name for name in registry.names() if registry.runs_async(name)
             )
             self._loop = EventLoop(
@@ -438,7 +439,7 @@ class Worker:
         deferred job coming due, or a schedule's tick wakes the producer, so an idle worker
         is silent."""
         backoff = Backoff("producer")
-        settle = lifecycle.REAP_SETTLE.total_seconds()
+        settle = upkeep.REAP_SETTLE.total_seconds()
         failed_at = -math.inf  # the producer's latest failed statement
         tick = min(self.poll_interval, self.reap_interval or self.poll_interval)
         next_tick = time.monotonic()  # at once: reap a crashed predecessor's jobs, then claim
@@ -566,7 +567,7 @@ class Worker:
         return time.monotonic() + min(times) if times else None
 
     def _record(self, tick: float) -> dict[str, Any]:
-        """This worker's registry row (``sql.WORKER_BEAT``)."""
+        """This worker's registry row (``upkeep.WORKER_BEAT``)."""
         return {
             "worker_id": self.worker_id,
             "host": socket.gethostname(),
@@ -692,7 +693,7 @@ class Worker:
         """How many jobs the next round may claim, over every pool (``_room()``)."""
         return sum(self._room(pool)[0] for pool in self._slots)
 
-    def _room(self, pool: str) -> tuple[int, sql.TextArray | None]:
+    def _room(self, pool: str) -> tuple[int, execute.TextArray | None]:
         """How many jobs a claim for a queue of ``pool`` may take, and of which tasks (None:
         any the worker claims).
 

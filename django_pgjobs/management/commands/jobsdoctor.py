@@ -1,6 +1,6 @@
 """``manage.py jobsdoctor``: the queue's health report; exit status 1 when unhealthy.
 
-With ``--watch SECONDS`` it runs ``doctor.Watch`` instead: a line per check, and one alarm per
+With ``--watch SECONDS`` it runs ``watch.Watch`` instead: a line per check, and one alarm per
 breach (see ``Watch``) until it is stopped (SIGINT, SIGTERM) or has run ``--count`` checks.
 """
 
@@ -17,8 +17,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from django_pgjobs import doctor
-from django_pgjobs.lifecycle import last_line
+from django_pgjobs.core.types import last_line
+from django_pgjobs.ops import dashboard, doctor
+from django_pgjobs.ops.watch import Watch
 
 
 class Command(BaseCommand):
@@ -118,8 +119,8 @@ class Command(BaseCommand):
         stop = threading.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
-        watch = doctor.Watch(options["database"], limits, mail=options["mail_admins"])
-        watch.run(interval, count=count, stop=stop, report=self._print_tick)
+        watcher = Watch(options["database"], limits, mail=options["mail_admins"])
+        watcher.run(interval, count=count, stop=stop, report=self._print_tick)
 
     def _print_tick(self, findings: list[doctor.Finding]) -> None:
         outages = [finding for finding in findings if finding.outage]
@@ -157,7 +158,7 @@ class Command(BaseCommand):
             tasks = worker["tasks"]
             write(
                 f"  {worker['id']} on {worker['host']} (pid {worker['pid']}, {worker['mode']} "
-                f"mode, version {worker['version']}): queues {doctor.worker_queues(worker)}; "
+                f"mode, version {worker['version']}): queues {dashboard.worker_queues(worker)}; "
                 f"tasks {'any' if tasks is None else len(tasks)}; started "
                 f"{worker['started_at'].isoformat()}, last heartbeat "
                 f"{worker['heartbeat_at'].isoformat()}"

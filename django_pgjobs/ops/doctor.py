@@ -1,170 +1,214 @@
-"""Health reads of the queue, for the admin dashboard and ``manage.py jobsdoctor``.
-
-``overview()`` is the live picture: per-queue depth and lag, throughput, recent failures.
-Every query reads a partial index (ready, lease or failed rows) or a one-hour range of the
-finished index, so it stays cheap with millions of done rows. ``diagnose()`` adds what
-bites later: expired leases, sessions idle in transaction, invalid indexes, and vacuum.
-
-Vacuum is judged by what stops it, not by the count of dead rows: a queue table always has
-many between two autovacuum runs (each claim and each outcome leaves one). What matters is
-dead rows autovacuum cannot remove (a session, a prepared transaction or a replication slot
-holding the xmin horizon), autovacuum not coming although the table is past its threshold,
-and settings that turn it off. The dead-to-live ratio is shown, never judged.
-
-Queue control is read here too: ``queue_control()`` (paused, global limits), the live workers
-of the registry and the ready jobs no live worker can run (``sql.UNRUNNABLE``): a job whose
-queue no live worker serves, or whose task none of them has registered, waits for good.
-
-``diagnose()`` gathers the facts into a ``Report`` and then runs each function of
-``CHECKS`` on it; each returns its problems as sentences that say what to do. A new check is
-one more function in that list. Each problem is also kept as a ``Finding`` that names its check
-and says whether it is an outage (``SERVING_CHECKS``: ready jobs are not being run), which is
-what the health endpoint answers 503 for and ``Watch`` (``jobsdoctor --watch``) alarms on; the
-other findings (vacuum, failures, schedules) are warnings there.
-"""
+""" """
 
 from __future__ import annotations
 
-import json
-import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
-from django.core.mail import mail_admins
-from django.db import DatabaseError, connections
+from django.db import connections
 
-from django_pgjobs import conf, schedules, signals, sql
-from django_pgjobs.lifecycle import last_line
-from django_pgjobs.models import QueueState
+from django_pgjobs import conf, schedules
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString
+from django_pgjobs.core.execute import records, run
+from django_pgjobs.ops.dashboard import (
+    QueueHealth,
+    live_workers,
+    overview,
+    queue_control,
+    unrunnable,
+)
 
+# -- the doctor's reads of PostgreSQL's own statistics and catalogs. Ages are float8 seconds:
+# extract() gives numeric, which `jobsdoctor --json` would print as a string. Ages in
+# transactions (`age(xid)`) are integers.
 
-@dataclass
-class QueueHealth:
-    """One queue's live numbers."""
-
-    queue: str
-    ready: int = 0
-    scheduled: int = 0
-    running: int = 0
-    expired: int = 0
-    failed: int = 0
-    done_last_hour: int = 0
-    lag_seconds: float = 0.0
-
-
-@dataclass
-class Minute:
-    minute: datetime
-    done: int = 0
-    failed: int = 0
+EXPIRED_LEASES: LiteralString = """
+SELECT id, task, queue, attempts,
+       extract(epoch FROM now() - locked_until)::float8 AS expired_for
+FROM pgjobs_job
+WHERE status = 'running' AND locked_until < now()
+ORDER BY locked_until
+LIMIT %(limit)s
+"""
 
 
-@dataclass
-class Overview:
-    queues: list[QueueHealth]
-    minutes: list[Minute]
-    failures: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def peak(self) -> int:
-        return max((m.done + m.failed for m in self.minutes), default=0)
+FAILURES_SINCE: LiteralString = """
+SELECT count(*) FROM pgjobs_job
+WHERE status = 'failed' AND finished_at >= now() - %(window)s::interval
+"""
 
 
-def live_queues(alias: str | None = None) -> dict[str, QueueHealth]:
-    """Queues with queued, running or failed jobs, from the three partial indexes only."""
-    connection = connections[alias or conf.database()]
-    queues: dict[str, QueueHealth] = {}
-    for name, ready, scheduled, lag in sql.run(connection, sql.QUEUE_DEPTH, {}):
-        row = queues.setdefault(name, QueueHealth(name))
-        row.ready, row.scheduled, row.lag_seconds = ready, scheduled, float(lag)
-    for name, running, expired in sql.run(connection, sql.RUNNING_BY_QUEUE, {}):
-        row = queues.setdefault(name, QueueHealth(name))
-        row.running, row.expired = running, expired
-    for name, failed in sql.run(connection, sql.FAILED_BY_QUEUE, {}):
-        queues.setdefault(name, QueueHealth(name)).failed = failed
-    return queues
+# Jobs failed within the window because their workers kept dying (quarantined by the reap),
+# told apart from other failures by the class of their latest error. `total` counts them all,
+# the LIMIT aside (a window is computed before the LIMIT applies).
+QUARANTINED: LiteralString = """
+SELECT id, task, queue, attempts, crashes, finished_at, count(*) OVER () AS total
+FROM pgjobs_job
+WHERE status = 'failed' AND finished_at >= now() - %(window)s::interval
+  AND errors -> -1 ->> 'exception_class_path' = 'django_pgjobs.exceptions.WorkerCrashed'
+ORDER BY finished_at DESC
+LIMIT %(limit)s
+"""
 
 
-def overview(alias: str | None = None, *, minutes: int = 60, failures: int = 10) -> Overview:
-    """Per-queue numbers, throughput per minute over ``minutes`` and the last failures."""
-    connection = connections[alias or conf.database()]
-    queues = live_queues(alias)
-
-    def health(name: str) -> QueueHealth:
-        return queues.setdefault(name, QueueHealth(name))
-
-    by_minute: dict[datetime, Minute] = {}
-    for minute, name, done, failed in sql.run(connection, sql.THROUGHPUT, {"minutes": minutes}):
-        slot = by_minute.setdefault(minute, Minute(minute))
-        if name is None:
-            continue
-        health(name).done_last_hour += done
-        slot.done += done
-        slot.failed += failed
-    columns = ("id", "task", "queue", "attempts", "finished_at", "last_error")
-    recent = [
-        dict(zip(columns, row, strict=True))
-        for row in sql.run(connection, sql.RECENT_FAILURES, {"limit": failures})
-    ]
-    for failure in recent:
-        error = failure["last_error"] or ""
-        failure["error_line"] = last_line(error) if error.strip() else ""
-    return Overview(
-        queues=sorted(queues.values(), key=lambda q: q.queue),
-        minutes=sorted(by_minute.values(), key=lambda m: m.minute),
-        failures=recent,
-    )
+# Live jobs whose latest attempt ended with its worker dead: each runs alone when next claimed.
+# Two equalities, not IN: a BitmapOr over the partial indexes of queued and running jobs.
+SUSPECTS: LiteralString = """
+SELECT count(*) FROM pgjobs_job
+WHERE (status = 'queued' OR status = 'running') AND crashes > 0
+"""
 
 
-@dataclass
-class QueueControl:
-    """An operator's steering of one queue (its ``pgjobs_queue`` row; none: the defaults)."""
-
-    queue: str
-    paused: bool = False
-    concurrency: int | None = None
-    rate_count: int | None = None
-    rate_period: timedelta | None = None
-
-
-def queue_control(alias: str | None = None) -> dict[str, QueueControl]:
-    """Every queue with a ``pgjobs_queue`` row (one per queue ever paused or limited)."""
-    rows = QueueState.objects.using(alias or conf.database()).order_by("name")
-    return {
-        row.name: QueueControl(
-            row.name, row.paused, row.concurrency, row.rate_count, row.rate_period
-        )
-        for row in rows
-    }
-
-
-def live_workers(alias: str | None = None) -> list[dict[str, Any]]:
-    """The registry's live workers, oldest first: ``queues`` maps each queue to the worker's
-    own limit for it (``None``: its shared concurrency), ``tasks`` is ``None`` for a worker
-    that claims any task."""
-    connection = connections[alias or conf.database()]
-    found = sql.records(connection, sql.LIVE_WORKERS, {})
-    for worker in found:
-        # Django's psycopg setup hands jsonb back as text.
-        if isinstance(worker["queues"], str):
-            worker["queues"] = json.loads(worker["queues"])
-    return found
-
-
-def worker_queues(worker: dict[str, Any]) -> str:
-    """A live worker's queues as ``runjobs --queue`` takes them: NAME=N, or NAME alone."""
-    limits = worker["queues"]
-    return ", ".join(name if n is None else f"{name}={n}" for name, n in limits.items())
+# The table's vacuum statistics and the numbers autovacuum decides with: it vacuums once
+# n_dead_tup exceeds threshold + scale_factor * reltuples (reltuples < 0, never counted, as 0;
+# PostgreSQL 18 caps that at max_threshold), each taken from the table's own storage options
+# when set there, else from the server's settings. `unvacuumed_for` counts from the last
+# vacuum of either kind, or from the server's start for a table never vacuumed: autovacuum
+# cannot have been failing before the server ran.
+TABLE_HEALTH: LiteralString = """
+SELECT s.n_live_tup, s.n_dead_tup, s.last_autovacuum, s.last_vacuum, s.autovacuum_count,
+       c.reloptions, c.reltuples::float8 AS reltuples,
+       o.enabled AS autovacuum_enabled,
+       coalesce(o.threshold, current_setting('autovacuum_vacuum_threshold')::float8)
+           AS vacuum_base_threshold,
+       coalesce(o.scale_factor, current_setting('autovacuum_vacuum_scale_factor')::float8)
+           AS vacuum_scale_factor,
+       coalesce(o.max_threshold,
+                current_setting('autovacuum_vacuum_max_threshold', true)::float8)
+           AS vacuum_max_threshold,
+       extract(epoch FROM now() - coalesce(greatest(s.last_autovacuum, s.last_vacuum),
+                                           pg_postmaster_start_time()))::float8
+           AS unvacuumed_for,
+       EXISTS (SELECT FROM pg_stat_progress_vacuum p WHERE p.relid = c.oid) AS vacuum_running
+FROM pg_class c
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+CROSS JOIN LATERAL (
+    SELECT bool_and(option_value::bool) FILTER (WHERE option_name = 'autovacuum_enabled')
+               AS enabled,
+           max(option_value::float8) FILTER (WHERE option_name = 'autovacuum_vacuum_threshold')
+               AS threshold,
+           max(option_value::float8)
+               FILTER (WHERE option_name = 'autovacuum_vacuum_scale_factor') AS scale_factor,
+           max(option_value::float8)
+               FILTER (WHERE option_name = 'autovacuum_vacuum_max_threshold') AS max_threshold
+    FROM pg_options_to_table(c.reloptions)
+) o
+WHERE c.oid = 'pgjobs_job'::regclass
+"""
 
 
-def unrunnable(alias: str | None = None) -> list[dict[str, Any]]:
-    """Ready jobs that no live worker can run, per queue and task (``sql.UNRUNNABLE``)."""
-    return sql.records(connections[alias or conf.database()], sql.UNRUNNABLE, {})
+# The server settings autovacuum depends on, as this session sees them (track_counts can be
+# set per database: sessions that do not count leave autovacuum nothing to act on).
+VACUUM_SETTINGS: LiteralString = """
+SELECT current_setting('autovacuum')::bool AS autovacuum,
+       current_setting('track_counts')::bool AS track_counts,
+       extract(epoch FROM current_setting('autovacuum_naptime')::interval)::float8
+           AS autovacuum_naptime
+"""
+
+
+# Sessions of this database (vacuum of an ordinary table only waits for those) that sit in an
+# open transaction doing nothing, longest first. Only those with a snapshot or a transaction
+# id hold VACUUM back; the others still hold their locks and a connection.
+IDLE_IN_TRANSACTION: LiteralString = """
+SELECT pid, usename, application_name,
+       extract(epoch FROM now() - state_change)::float8 AS idle_for,
+       extract(epoch FROM now() - xact_start)::float8 AS open_for, left(query, 200) AS query,
+       backend_xmin IS NOT NULL OR backend_xid IS NOT NULL AS holds_horizon
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND state IN ('idle in transaction', 'idle in transaction (aborted)')
+  AND now() - state_change > %(threshold)s::interval
+ORDER BY state_change
+"""
+
+
+# The oldest transaction that holds VACUUM back: one with a snapshot (backend_xmin), or one
+# that has written (backend_xid: between statements a READ COMMITTED writer has no snapshot,
+# but its own transaction id still keeps the horizon).
+OLDEST_TRANSACTION: LiteralString = """
+SELECT pid, usename, application_name, state,
+       extract(epoch FROM now() - xact_start)::float8 AS age,
+       greatest(age(backend_xmin), age(backend_xid)) AS xmin_age,
+       left(query, 200) AS query
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND xact_start IS NOT NULL AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+  AND backend_type = 'client backend'
+ORDER BY xact_start
+LIMIT 1
+"""
+
+
+# Prepared transactions (two-phase commit) of this database: each keeps its transaction id,
+# and so the horizon, until someone runs COMMIT PREPARED or ROLLBACK PREPARED, whatever
+# happened to the session or the coordinator that prepared it.
+PREPARED_TRANSACTIONS: LiteralString = """
+SELECT gid, owner, prepared,
+       extract(epoch FROM now() - prepared)::float8 AS age,
+       age(transaction) AS xmin_age
+FROM pg_prepared_xacts
+WHERE database = current_database()
+ORDER BY prepared
+"""
+
+
+# Replication slots that keep a horizon. `xmin` (a physical slot fed by a standby's
+# hot_standby_feedback) holds back every table of every database, and stays when the standby
+# goes away; `catalog_xmin` (a logical slot) holds back only the system catalogs. A slot has
+# no start time: its age is in transactions. The walsender, when one is connected, says who.
+REPLICATION_SLOTS: LiteralString = """
+SELECT s.slot_name, s.slot_type, s.database, s.active, s.active_pid,
+       age(s.xmin) AS xmin_age, age(s.catalog_xmin) AS catalog_xmin_age,
+       r.application_name, r.client_addr::text AS client_addr
+FROM pg_replication_slots s
+LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
+WHERE s.xmin IS NOT NULL OR s.catalog_xmin IS NOT NULL
+ORDER BY greatest(age(s.xmin), age(s.catalog_xmin)) DESC, s.slot_name
+"""
+
+
+# Sessions holding a lock on the table that autovacuum's SHARE UPDATE EXCLUSIVE conflicts
+# with (a CREATE INDEX, even CONCURRENTLY, a VALIDATE CONSTRAINT, a LOCK TABLE): autovacuum
+# skips a table it cannot lock at once, so while one is held the table is never vacuumed.
+# Autovacuum's own lock is not one of them.
+VACUUM_LOCKS: LiteralString = """
+SELECT a.pid, a.usename, a.application_name, a.state, l.mode,
+       extract(epoch FROM now() - coalesce(a.xact_start, a.query_start))::float8 AS held_for,
+       left(a.query, 200) AS query
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'relation' AND l.relation = 'pgjobs_job'::regclass AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.mode IN ('ShareUpdateExclusiveLock', 'ShareLock', 'ShareRowExclusiveLock',
+                 'ExclusiveLock', 'AccessExclusiveLock')
+  AND a.backend_type <> 'autovacuum worker' AND a.pid <> pg_backend_pid()
+ORDER BY a.xact_start NULLS LAST, a.pid
+"""
+
+
+# What holds payloads to JSON objects: 'CHECK' while the table has 0006's constraint (before
+# migration 0011), else the trigger's pg_trigger.tgenabled ('A' always, 'O' origin and local
+# sessions, 'R' replica sessions only, 'D' disabled), NULL when neither is there.
+PAYLOAD_RULE: LiteralString = """
+SELECT coalesce(
+  (SELECT 'CHECK' FROM pg_constraint
+   WHERE conrelid = 'pgjobs_job'::regclass AND conname = 'pgjobs_job_payload_check'),
+  (SELECT tgenabled::text FROM pg_trigger
+   WHERE tgrelid = 'pgjobs_job'::regclass AND tgname = 'pgjobs_job_payload_check'))
+"""
+
+
+INVALID_INDEXES: LiteralString = """
+SELECT i.indexrelid::regclass::text
+FROM pg_index i
+WHERE i.indrelid = 'pgjobs_job'::regclass AND NOT i.indisvalid
+ORDER BY 1
+"""
 
 
 @dataclass
@@ -302,26 +346,22 @@ def diagnose(
     limits = thresholds or Thresholds()
     connection = connections[alias or conf.database()]
     live = overview(alias, minutes=60, failures=10)
-    expired = sql.records(connection, sql.EXPIRED_LEASES, {"limit": 20})
-    failures = sql.run(connection, sql.FAILURES_SINCE, {"window": timedelta(hours=1)})[0][0]
-    (table,) = sql.records(connection, sql.TABLE_HEALTH, {})
+    expired = records(connection, EXPIRED_LEASES, {"limit": 20})
+    failures = run(connection, FAILURES_SINCE, {"window": timedelta(hours=1)})[0][0]
+    (table,) = records(connection, TABLE_HEALTH, {})
     table["vacuum_threshold"] = vacuum_threshold(table)
     live_rows, dead_rows = table["n_live_tup"] or 0, table["n_dead_tup"] or 0
     table["dead_per_live_row"] = round(dead_rows / max(live_rows, 1), 2)
-    (settings,) = sql.records(connection, sql.VACUUM_SETTINGS, {})
-    idle = sql.records(
-        connection, sql.IDLE_IN_TRANSACTION, {"threshold": timedelta(seconds=limits.idle)}
-    )
-    oldest = next(iter(sql.records(connection, sql.OLDEST_TRANSACTION, {})), None)
+    (settings,) = records(connection, VACUUM_SETTINGS, {})
+    idle = records(connection, IDLE_IN_TRANSACTION, {"threshold": timedelta(seconds=limits.idle)})
+    oldest = next(iter(records(connection, OLDEST_TRANSACTION, {})), None)
     horizon = _horizon(
         oldest,
-        sql.records(connection, sql.PREPARED_TRANSACTIONS, {}),
-        sql.records(connection, sql.REPLICATION_SLOTS, {}),
+        records(connection, PREPARED_TRANSACTIONS, {}),
+        records(connection, REPLICATION_SLOTS, {}),
     )
-    quarantined = sql.records(
-        connection, sql.QUARANTINED, {"window": timedelta(hours=1), "limit": 20}
-    )
-    vacuum_locks = sql.records(connection, sql.VACUUM_LOCKS, {})
+    quarantined = records(connection, QUARANTINED, {"window": timedelta(hours=1), "limit": 20})
+    vacuum_locks = records(connection, VACUUM_LOCKS, {})
     if not queries:
         for session in (*idle, *vacuum_locks, *([oldest] if oldest else [])):
             session["query"] = HIDDEN_QUERY
@@ -338,12 +378,12 @@ def diagnose(
         oldest_transaction=oldest,
         horizon=horizon,
         vacuum_locks=vacuum_locks,
-        invalid_indexes=[row[0] for row in sql.run(connection, sql.INVALID_INDEXES, {})],
-        payload_rule=sql.run(connection, sql.PAYLOAD_RULE, {})[0][0],
+        invalid_indexes=[row[0] for row in run(connection, INVALID_INDEXES, {})],
+        payload_rule=run(connection, PAYLOAD_RULE, {})[0][0],
         schedules=schedule_health(alias),
         quarantined=[{k: v for k, v in row.items() if k != "total"} for row in quarantined],
         quarantined_count=int(quarantined[0]["total"]) if quarantined else 0,
-        suspects=int(sql.run(connection, sql.SUSPECTS, {})[0][0]),
+        suspects=int(run(connection, SUSPECTS, {})[0][0]),
         workers=live_workers(alias),
         unrunnable=unrunnable(alias),
         paused=[name for name, state in queue_control(alias).items() if state.paused],
@@ -723,104 +763,6 @@ CHECKS: list[Check] = [
 # The checks whose findings are outages: jobs that should run are not being run (they wait
 # past the lag threshold, no live worker can run them, or their worker is gone).
 SERVING_CHECKS: tuple[Check, ...] = (check_queue_lag, check_unrunnable, check_expired_leases)
-
-
-def examine(
-    alias: str | None = None, thresholds: Thresholds | None = None, *, queries: bool = True
-) -> tuple[Report | None, list[Finding]]:
-    """``diagnose()`` for the health endpoint and ``Watch``: the report and its findings, or,
-    when the database cannot be read, no report and one ``database`` outage (no worker can
-    claim from it either); the connection is closed so that the next call reconnects."""
-    try:
-        report = diagnose(alias, thresholds, queries=queries)
-    except DatabaseError as exc:
-        connections[alias or conf.database()].close()
-        return None, [Finding("database", f"the jobs table could not be read: {exc}", True)]
-    return report, report.findings
-
-
-class Watch:
-    """``jobsdoctor --watch``: diagnose on every ``tick()`` and raise an alarm once per breach.
-
-    A breach of one check (lag, expired leases, ready jobs no live worker can run, the
-    database) begins with a tick that finds that outage (a ``Finding`` with ``outage``) and ends
-    with the first tick that finds none of it; its alarm (the ``queue_unhealthy`` signal, an
-    ERROR log line and, with ``mail``, ``mail_admins``) goes out at its first tick only, so a
-    queue that stays down is not reported every interval, while another kind of outage that
-    begins meanwhile is. Once a check is clear again, its next outage is a new breach. Warnings
-    (vacuum, failures) never alarm: they do not stop jobs from being served.
-    """
-
-    def __init__(
-        self,
-        alias: str | None = None,
-        thresholds: Thresholds | None = None,
-        *,
-        mail: bool = False,
-    ) -> None:
-        self.alias = alias
-        self.thresholds = thresholds or Thresholds.from_settings()
-        self.mail = mail
-        # The checks whose breach is under way (already alarmed).
-        self.breached: set[str] = set()
-
-    def tick(self) -> list[Finding]:
-        """Diagnose once and alarm if this tick begins a breach; return its findings.
-
-        A database that cannot be read is an outage too (see ``examine()``).
-        """
-        _report, findings = examine(self.alias, self.thresholds)
-        outages = [finding for finding in findings if finding.outage]
-        new = [finding for finding in outages if finding.check not in self.breached]
-        if new:
-            self.alarm(new)
-        elif not outages and self.breached:
-            logger.info("queue healthy again", extra={"action": "watch"})
-        self.breached = {finding.check for finding in outages}
-        return findings
-
-    def run(
-        self,
-        interval: float,
-        *,
-        count: int | None = None,
-        stop: threading.Event | None = None,
-        report: Callable[[list[Finding]], None] | None = None,
-    ) -> None:
-        """``tick()`` every ``interval`` seconds, ``count`` times (None: until ``stop`` is
-        set); ``report`` is handed each tick's findings."""
-        stop = stop or threading.Event()
-        ticks = 0
-        while not stop.is_set():
-            findings = self.tick()
-            if report is not None:
-                report(findings)
-            ticks += 1
-            if count is not None and ticks >= count:
-                return
-            stop.wait(interval)
-
-    def alarm(self, findings: list[Finding]) -> None:
-        """The breach's one alarm: an ERROR log line, ``queue_unhealthy``, and the mail."""
-        text = "\n".join(f"- {finding.problem}" for finding in findings)
-        logger.error(
-            "queue unhealthy: %s problem(s):\n%s",
-            len(findings),
-            text,
-            extra={"action": "watch", "checks": [finding.check for finding in findings]},
-        )
-        signals.send(signals.queue_unhealthy, sender=Watch, findings=findings)
-        if not self.mail:
-            return
-        try:
-            mail_admins(
-                f"Job queue unhealthy: {len(findings)} problem(s)",
-                "jobsdoctor --watch found jobs that are not being run:\n\n"
-                f"{text}\n\nNo further mail is sent until the queue has been healthy again.",
-            )
-        except Exception:
-            # The log line above has the alarm; a mail server down must not end the watch.
-            logger.exception("could not mail the admins", extra={"action": "watch"})
 
 
 def one_line(text: str | None) -> str:
