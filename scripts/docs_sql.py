@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 import textwrap
@@ -29,6 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
+import django
 from django.db import migrations
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -278,4 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Run as a script: this repository's app, with the test project's settings (some modules
+    # that hold statements import the models).
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
+    django.setup()
     sys.exit(main())

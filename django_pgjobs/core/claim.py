@@ -17,7 +17,16 @@ import psycopg
 from django.db import OperationalError, transaction
 from psycopg.errors import LockNotAvailable as PsycopgLockNotAvailable
 
-from django_pgjobs.core.fragments import COMMIT, UNGUARDED
+from django_pgjobs.core.fragments import (
+    CLAIM_ORDER,
+    COMMIT,
+    KEY_HOLDERS,
+    LIMITED,
+    RATE_WINDOW,
+    READY,
+    UNGUARDED,
+    running_in,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
@@ -85,11 +94,15 @@ _CLAIMABLE: LiteralString = (
 _CLAIM_NEXT: LiteralString = (
     """next AS (
   SELECT id FROM pgjobs_job
-  WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL"""
+  WHERE queue = %(queue)s AND """
+    + READY
+    + " AND lock_key IS NULL"
     + _CLAIMABLE
     + UNGUARDED
     + """
-  ORDER BY priority DESC, run_at
+  ORDER BY """
+    + CLAIM_ORDER
+    + """
   LIMIT %(limit)s
   FOR UPDATE SKIP LOCKED
 )"""
@@ -109,23 +122,31 @@ CLAIM_IDLE: LiteralString = (
     """
 WITH head AS MATERIALIZED (
   SELECT id, crashes FROM pgjobs_job
-  WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL"""
+  WHERE queue = %(queue)s AND """
+    + READY
+    + " AND lock_key IS NULL"
     + _CLAIMABLE_TASKS
     + UNGUARDED
     + """
-  ORDER BY priority DESC, run_at
+  ORDER BY """
+    + CLAIM_ORDER
+    + """
   LIMIT 1
   FOR UPDATE SKIP LOCKED
 ), rest AS MATERIALIZED (
   SELECT id FROM pgjobs_job
-  WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL
+  WHERE queue = %(queue)s AND """
+    + READY
+    + """ AND lock_key IS NULL
     AND crashes = 0"""
     + _CLAIMABLE_TASKS
     + UNGUARDED
     + """
     AND NOT EXISTS (SELECT FROM head WHERE head.crashes > 0)
     AND id <> ALL (ARRAY(SELECT id FROM head))
-  ORDER BY priority DESC, run_at
+  ORDER BY """
+    + CLAIM_ORDER
+    + """
   LIMIT %(limit)s - 1
   FOR UPDATE SKIP LOCKED
 ), next AS MATERIALIZED (
@@ -169,32 +190,47 @@ WITH q AS (
 ), room AS (
   SELECT greatest(least(
     %(limit)s,
-    (SELECT q.concurrency - (SELECT count(*) FROM pgjobs_job
-                             WHERE queue = %(queue)s AND status = 'running') FROM q),
-    (SELECT q.rate_count - (SELECT count(*) FROM unnest(q.starts) AS s
-                            WHERE s > statement_timestamp() - q.rate_period) FROM q)
+    (SELECT q.concurrency - """
+    + running_in("%(queue)s")
+    + """ FROM q),
+    (SELECT q.rate_count - (SELECT count(*) """
+    + RATE_WINDOW
+    + """) FROM q)
   ), 0) AS n
   WHERE NOT coalesce((SELECT paused FROM q), false)
 ), ready AS MATERIALIZED (
   (SELECT id, priority, run_at FROM pgjobs_job
-   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NULL"""
+   WHERE queue = %(queue)s AND """
+    + READY
+    + " AND lock_key IS NULL"
     + _CLAIMABLE
     + """
-   ORDER BY priority DESC, run_at
+   ORDER BY """
+    + CLAIM_ORDER
+    + """
    LIMIT %(limit)s)
   UNION ALL
   (SELECT DISTINCT ON (lock_key) id, priority, run_at FROM pgjobs_job j
-   WHERE queue = %(queue)s AND status = 'queued' AND run_at <= now() AND lock_key IS NOT NULL"""
+   WHERE queue = %(queue)s AND """
+    + READY
+    + " AND lock_key IS NOT NULL"
     + _CLAIMABLE
     + """
-     AND NOT EXISTS (SELECT FROM pgjobs_job r
-                     WHERE r.lock_key = j.lock_key AND r.status = 'running')
-   ORDER BY lock_key, priority DESC, run_at, id)
+     AND NOT EXISTS (SELECT """
+    + KEY_HOLDERS
+    + """)
+   ORDER BY lock_key, """
+    + CLAIM_ORDER
+    + """, id)
 ), next AS (
   SELECT id FROM pgjobs_job
-  WHERE id IN (SELECT id FROM ready ORDER BY priority DESC, run_at, id
+  WHERE id IN (SELECT id FROM ready ORDER BY """
+    + CLAIM_ORDER
+    + """, id
                LIMIT coalesce((SELECT n FROM room), 0))
-    AND status = 'queued' AND run_at <= now()
+    AND """
+    + READY
+    + """
   FOR UPDATE SKIP LOCKED
 ), claimed AS (
   UPDATE pgjobs_job j"""
@@ -293,13 +329,16 @@ def _written_in(statement: LiteralString, limit: int) -> LiteralString:
 # now), where the window as it is now, no longer full, would give none, and the worker would
 # sleep until its next tick with ready jobs queued. A window that was not full did not cut the
 # claim: no wake-up for it.
-OUTLOOK: LiteralString = """
+OUTLOOK: LiteralString = (
+    """
 SELECT
   (SELECT extract(epoch FROM min(run_at) - now())::float8 FROM pgjobs_job
    WHERE queue = ANY(%(queues)s::text[]) AND status = 'queued' AND run_at > now()) AS due,
-  ARRAY(SELECT name FROM pgjobs_queue
-        WHERE name = ANY(%(queues)s::text[])
-          AND (concurrency IS NOT NULL OR rate_count IS NOT NULL)
+  ARRAY(SELECT q.name FROM pgjobs_queue q
+        WHERE q.name = ANY(%(queues)s::text[])
+          AND """
+    + LIMITED
+    + """
         UNION
         SELECT q FROM unnest(%(queues)s::text[]) AS q
         WHERE EXISTS (SELECT FROM pgjobs_job
@@ -311,8 +350,11 @@ SELECT
                                                  - q.rate_period) AS w
    WHERE q.name = ANY(%(queues)s::text[]) AND w.n >= q.rate_count AND NOT q.paused
      AND EXISTS (SELECT FROM pgjobs_job
-                 WHERE queue = q.name AND status = 'queued' AND run_at <= now())) AS rate_free
+                 WHERE queue = q.name AND """
+    + READY
+    + """)) AS rate_free
 """
+)
 
 
 # How long a guarded claim waits for a lock (the guard, or a queue row it stamps) before it

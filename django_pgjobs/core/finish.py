@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django_pgjobs import validation
-from django_pgjobs.core.fragments import FENCE
+from django_pgjobs.core.fragments import FENCE, KEY_HOLDERS, READY, failed_for_good, running_in
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
@@ -50,8 +50,9 @@ RETURNING j.id
 FAIL: LiteralString = (
     """
 UPDATE pgjobs_job j
-SET status       = CASE WHEN j.attempts >= j.max_attempts OR mine.final
-                        THEN 'failed' ELSE 'queued' END,
+SET """
+    + failed_for_good("mine.final")
+    + """,
     run_at       = now() + coalesce(mine.delay * interval '1 second',
                                     least(mine.cap * interval '1 second',
                                           mine.base * interval '1 second'
@@ -61,9 +62,6 @@ SET status       = CASE WHEN j.attempts >= j.max_attempts OR mine.final
     last_error   = mine.error,
     errors       = j.errors || jsonb_build_array(jsonb_build_object(
                      'exception_class_path', mine.error_class, 'traceback', mine.error)),
-    finished_at  = CASE WHEN j.attempts >= j.max_attempts OR mine.final THEN now() END,
-    unique_key   = CASE WHEN j.attempts >= j.max_attempts OR mine.final THEN NULL
-                        ELSE j.unique_key END,
     crashes      = 0
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
             %(errors)s::text[], %(error_classes)s::text[], %(bases)s::float8[],
@@ -179,21 +177,25 @@ JOIN unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[
 # these jobs that no running job took again. Grouped by queue first, so each queue's room is
 # counted once. (The next job of a key in another queue still waits for that queue's workers'
 # next claim: finding it would read every ready keyed job.)
-FREED_QUEUES: LiteralString = """
+FREED_QUEUES: LiteralString = (
+    """
 SELECT f.queue
 FROM (SELECT j.queue,
-             bool_or(j.lock_key IS NOT NULL
-                     AND NOT EXISTS (SELECT FROM pgjobs_job r
-                                     WHERE r.lock_key = j.lock_key AND r.status = 'running'))
+             bool_or(j.lock_key IS NOT NULL AND NOT EXISTS (SELECT """
+    + KEY_HOLDERS
+    + """))
                AS key_free
       FROM pgjobs_job j WHERE j.id = ANY(%(ids)s::bigint[]) GROUP BY j.queue) AS f
 LEFT JOIN pgjobs_queue q ON q.name = f.queue
 WHERE NOT coalesce(q.paused, false)
   AND CASE WHEN q.concurrency IS NULL THEN f.key_free
-           ELSE q.concurrency > (SELECT count(*) FROM pgjobs_job r
-                                 WHERE r.queue = f.queue AND r.status = 'running') END
-  AND EXISTS (SELECT FROM pgjobs_job r
-              WHERE r.queue = f.queue AND r.status = 'queued' AND r.run_at <= now())"""
+           ELSE q.concurrency > """
+    + running_in("f.queue")
+    + """ END
+  AND EXISTS (SELECT FROM pgjobs_job r WHERE r.queue = f.queue AND """
+    + READY
+    + ")"
+)
 
 
 # The worker's word to those queues, sent as a new job's is: a NOTIFY each, in a transaction

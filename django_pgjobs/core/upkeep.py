@@ -8,6 +8,8 @@ import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from django_pgjobs.core.fragments import failed_for_good
+
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
 from django_pgjobs.core.execute import Connection, run
@@ -28,7 +30,8 @@ logger = logging.getLogger("django_pgjobs.managers")
 # otherwise resets it), and `max_crashes` of them in a row fail the job as WorkerCrashed
 # (quarantine), so a job that kills its worker does not take one down per attempt left. A
 # lease its worker ended on purpose (EXPIRE_LEASE: locked_until = attempted_at) is no crash.
-REAP: LiteralString = """
+REAP: LiteralString = (
+    """
 WITH expired AS (
   SELECT id, locked_until IS DISTINCT FROM attempted_at AS crashed,
          locked_until IS DISTINCT FROM attempted_at AND crashes + 1 >= %(max_crashes)s
@@ -43,8 +46,9 @@ WITH expired AS (
   FOR UPDATE SKIP LOCKED
 )
 UPDATE pgjobs_job j
-SET status       = CASE WHEN j.attempts >= j.max_attempts OR expired.quarantined
-                        THEN 'failed' ELSE 'queued' END,
+SET """
+    + failed_for_good("expired.quarantined")
+    + """,
     locked_until = NULL,
     crashes      = j.crashes + expired.crashed::int,
     last_error   = CASE WHEN expired.quarantined THEN expired.crash_error
@@ -55,14 +59,12 @@ SET status       = CASE WHEN j.attempts >= j.max_attempts OR expired.quarantined
                        'traceback', expired.crash_error)
                      ELSE jsonb_build_object(
                        'exception_class_path', 'django_pgjobs.exceptions.LeaseExpired',
-                       'traceback', 'lease expired') END),
-    finished_at  = CASE WHEN j.attempts >= j.max_attempts OR expired.quarantined THEN now() END,
-    unique_key   = CASE WHEN j.attempts >= j.max_attempts OR expired.quarantined
-                        THEN NULL ELSE j.unique_key END
+                       'traceback', 'lease expired') END)
 FROM expired
 WHERE j.id = expired.id AND j.status = 'running' AND j.locked_until < now()
 RETURNING j.id, j.status, j.attempts
 """
+)
 
 
 # One batch of finished jobs, oldest first. Only 'done', 'failed' and 'cancelled' can match.

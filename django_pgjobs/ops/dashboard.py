@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections
 
 from django_pgjobs import conf
+from django_pgjobs.core.fragments import READY
 from django_pgjobs.models import QueueState
 
 if TYPE_CHECKING:
@@ -93,10 +94,13 @@ ORDER BY started_at, id
 # (`served` false), or none that does has the task registered. A worker that claims any task
 # (tasks NULL) can run them all. Grouped first, so the workers are checked once per queue and
 # task, not once per ready job (a backlog of 200,000 with 50 live workers: 1.2 s the other way).
-UNRUNNABLE: LiteralString = """
+UNRUNNABLE: LiteralString = (
+    """
 WITH ready AS (
   SELECT queue, task, count(*) AS ready FROM pgjobs_job
-  WHERE status = 'queued' AND run_at <= now()
+  WHERE """
+    + READY
+    + """
   GROUP BY queue, task
 )
 SELECT r.queue, r.task, r.ready,
@@ -108,6 +112,7 @@ WHERE NOT EXISTS (SELECT FROM pgjobs_worker w
                     AND (w.tasks IS NULL OR r.task = ANY(w.tasks)))
 ORDER BY r.queue, r.task
 """
+)
 
 
 # The planner's row estimate (refreshed by ANALYZE/autovacuum): counting millions of done

@@ -1,4 +1,23 @@
-""" """
+"""``manage.py jobsdoctor``'s diagnosis: ``diagnose()`` adds to the dashboard's live picture
+(``ops.dashboard``) what bites later: expired leases, sessions idle in transaction, invalid
+indexes, and vacuum.
+
+Vacuum is judged by what stops it, not by the count of dead rows: a queue table always has
+many between two autovacuum runs (each claim and each outcome leaves one). What matters is
+dead rows autovacuum cannot remove (a session, a prepared transaction or a replication slot
+holding the xmin horizon), autovacuum not coming although the table is past its threshold,
+and settings that turn it off. The dead-to-live ratio is shown, never judged.
+
+It also reports the ready jobs no live worker can run (``dashboard.UNRUNNABLE``): a job whose
+queue no live worker serves, or whose task none of them has registered, waits for good.
+
+``diagnose()`` gathers the facts into a ``Report`` and then runs each function of
+``CHECKS`` on it; each returns its problems as sentences that say what to do. A new check is
+one more function in that list. Each problem is also kept as a ``Finding`` that names its check
+and says whether it is an outage (``SERVING_CHECKS``: ready jobs are not being run), which is
+what the health endpoint answers 503 for and ``Watch`` (``jobsdoctor --watch``) alarms on; the
+other findings (vacuum, failures, schedules) are warnings there.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +29,6 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections
 
 from django_pgjobs import conf, schedules
-
-if TYPE_CHECKING:
-    from typing_extensions import LiteralString
 from django_pgjobs.core.execute import records, run
 from django_pgjobs.ops.dashboard import (
     QueueHealth,
@@ -21,6 +37,9 @@ from django_pgjobs.ops.dashboard import (
     queue_control,
     unrunnable,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString
 
 # -- the doctor's reads of PostgreSQL's own statistics and catalogs. Ages are float8 seconds:
 # extract() gives numeric, which `jobsdoctor --json` would print as a string. Ages in

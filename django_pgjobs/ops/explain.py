@@ -1,4 +1,24 @@
-""" """
+"""Why isn't this job running? The reasons, in plain language, computed when asked.
+
+``explain(job)`` reads the job and everything the claim checks about it in one statement
+(``EXPLAIN_JOB``, one snapshot, partial indexes only) and returns a list of ``Reason``:
+each a ``code`` a program can test, a ``message`` a person can read, and the ``data`` behind
+it. The statement is built from the claim's own fragments (``core.fragments``: what is ready,
+the claim's order, which queues need the guarded claim, a key's holders, a rate window, a
+queue's running jobs), so the explanation cannot say "ready" of a job the claim would pass
+over, or the reverse:
+
+- a queued job: when it is due (scheduled, or waiting for its retry), and, once due, what
+  holds it back (its queue paused or at a limit, its lock key held or another job of the key
+  first, its workers' crash record), who could run it (live workers serving the queue that
+  know its task, in lease mode where the job needs the guarded claim), and how many ready
+  jobs come before it;
+- a running job: its worker (from the registry), its lease, and whether the lease expired;
+- a finished job: how it ended.
+
+Nothing is stored or cached: a reason is as true as the moment it was read, and the next
+claim may change it.
+"""
 
 from __future__ import annotations
 
@@ -9,30 +29,41 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections
 
 from django_pgjobs import conf
+from django_pgjobs.core.execute import records
+from django_pgjobs.core.fragments import (
+    CLAIM_ORDER,
+    KEY_HOLDERS,
+    LIMITED,
+    RATE_WINDOW,
+    READY,
+    running_in,
+)
+from django_pgjobs.core.types import last_line
 from django_pgjobs.models import Job, Status
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
-from django_pgjobs.core.execute import records
-from django_pgjobs.core.types import last_line
 
-# -- why isn't this job running? (explain.py). One statement reads everything the explanation
-# needs, in one snapshot, so its reasons cannot contradict each other: the job, its queue's
-# row, and what the claim would check about it. Each part reads a partial index or a primary
-# key (the queue's running jobs, the running holder of its lock key, the ready jobs ahead of
-# it in the claim's order, the live workers), and runs only for the status it concerns:
-# PostgreSQL evaluates the subquery of a CASE branch only when the branch is taken.
-# Each condition is the claim's own (CLAIM, CLAIM_GUARDED): the queue's running jobs
-# against `concurrency`, its starts after statement_timestamp() - rate_period against
-# `rate_count` (room when the earliest leaves the window), a running job holding the key,
-# the first ready job of the key in the claim's order (a claim starts one per key). The
-# count of jobs ahead is bounded by `ahead_limit` in each of its two parts: higher priority,
-# then the same priority and an earlier run_at, each a range of the ready index.
-EXPLAIN_JOB: LiteralString = """
+# One statement reads everything the explanation needs, in one snapshot, so its reasons cannot
+# contradict each other: the job, its queue's row, and what the claim would check about it.
+# Each part reads a partial index or a primary key (the queue's running jobs, the running
+# holder of its lock key, the ready jobs ahead of it in the claim's order, the live workers),
+# and runs only for the status it concerns: PostgreSQL evaluates the subquery of a CASE branch
+# only when the branch is taken. Each condition is the claim's own, from the same fragments:
+# `due` is READY, `guarded` the rule that sends a job to the guarded claim (a lock key, or a
+# LIMITED queue), the queue's running jobs against `concurrency`, its RATE_WINDOW against
+# `rate_count` (room when the earliest start leaves the window), a running job among the
+# KEY_HOLDERS, the first ready job of the key in the CLAIM_ORDER (a claim starts one per key).
+# The count of jobs ahead is bounded by `ahead_limit` in each of its two parts: higher
+# priority, then the same priority and an earlier run_at, each a range of the ready index.
+EXPLAIN_JOB: LiteralString = (
+    """
 WITH j AS (
   SELECT id, queue, task, status, priority, run_at, attempts, max_attempts, last_error,
          lock_key, crashes, locked_until, attempted_at, finished_at,
-         worker_ids ->> -1 AS worker_id, run_at <= now() AS due
+         worker_ids ->> -1 AS worker_id, """
+    + READY
+    + """ AS due
   FROM pgjobs_job WHERE id = %(id)s
 )
 SELECT j.id, j.queue, j.task, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
@@ -40,25 +71,35 @@ SELECT j.id, j.queue, j.task, j.status, j.priority, j.run_at, j.attempts, j.max_
        j.worker_id, j.due, now() AS now,
        coalesce(q.paused, false) AS paused, q.concurrency, q.rate_count,
        extract(epoch FROM q.rate_period)::float8 AS rate_period,
+       j.lock_key IS NOT NULL OR coalesce("""
+    + LIMITED
+    + """, false) AS guarded,
        CASE WHEN j.status = 'queued' AND q.concurrency IS NOT NULL THEN
-         (SELECT count(*) FROM pgjobs_job r WHERE r.queue = j.queue AND r.status = 'running')
+         """
+    + running_in("j.queue")
+    + """
        END AS running,
        window_.started AS rate_started, window_.first + q.rate_period AS rate_free,
        CASE WHEN j.status = 'queued' AND j.lock_key IS NOT NULL THEN
-         (SELECT r.id FROM pgjobs_job r
-          WHERE r.lock_key = j.lock_key AND r.status = 'running'
-          ORDER BY r.id LIMIT 1)
+         (SELECT r.id """
+    + KEY_HOLDERS
+    + """ ORDER BY r.id LIMIT 1)
        END AS key_holder,
-       CASE WHEN j.status = 'queued' AND j.due AND j.lock_key IS NOT NULL THEN
+       CASE WHEN j.due AND j.lock_key IS NOT NULL THEN
          (SELECT k.id FROM pgjobs_job k
-          WHERE k.queue = j.queue AND k.status = 'queued' AND k.run_at <= now()
-            AND k.lock_key = j.lock_key
-          ORDER BY k.priority DESC, k.run_at, k.id LIMIT 1)
+          WHERE k.queue = j.queue AND """
+    + READY
+    + """ AND k.lock_key = j.lock_key
+          ORDER BY """
+    + CLAIM_ORDER
+    + """, id LIMIT 1)
        END AS key_first,
-       CASE WHEN j.status = 'queued' AND j.due THEN
+       CASE WHEN j.due THEN
          (SELECT count(*) FROM (SELECT FROM pgjobs_job a
-                                WHERE a.queue = j.queue AND a.status = 'queued'
-                                  AND a.priority > j.priority AND a.run_at <= now()
+                                WHERE a.queue = j.queue AND """
+    + READY
+    + """
+                                  AND a.priority > j.priority
                                 LIMIT %(ahead_limit)s) AS higher)
          + (SELECT count(*) FROM (SELECT FROM pgjobs_job a
                                   WHERE a.queue = j.queue AND a.status = 'queued'
@@ -71,9 +112,9 @@ SELECT j.id, j.queue, j.task, j.status, j.priority, j.run_at, j.attempts, j.max_
 FROM j
 LEFT JOIN pgjobs_queue q ON q.name = j.queue
 LEFT JOIN LATERAL (
-  SELECT count(*) AS started, min(s) AS first
-  FROM unnest(q.starts) AS s
-  WHERE s > statement_timestamp() - q.rate_period
+  SELECT count(*) AS started, min(s) AS first """
+    + RATE_WINDOW
+    + """
 ) AS window_ ON j.status = 'queued' AND q.rate_count IS NOT NULL
 LEFT JOIN LATERAL (
   SELECT count(*) AS live,
@@ -87,6 +128,7 @@ LEFT JOIN LATERAL (
 ) AS fleet ON j.status = 'queued'
 LEFT JOIN pgjobs_worker runner ON runner.id = j.worker_id AND j.status = 'running'
 """
+)
 
 
 # The jobs ahead are counted up to this many in each part; more reads as "more than".
@@ -261,10 +303,7 @@ def _workers(row: dict[str, Any]) -> list[Reason]:
                 {"queue": queue, "task": task, "serving": row["serving"]},
             )
         ]
-    guarded = row["lock_key"] is not None or (
-        row["concurrency"] is not None or row["rate_count"] is not None
-    )
-    if guarded and not row["leasing"]:
+    if row["guarded"] and not row["leasing"]:
         why = "it has a lock key" if row["lock_key"] is not None else f"{queue} has a limit"
         return [
             Reason(
