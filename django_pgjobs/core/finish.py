@@ -10,7 +10,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django_pgjobs import validation
-from django_pgjobs.core.fragments import FENCE, KEY_HOLDERS, READY, failed_for_good, running_in
+from django_pgjobs.core.fragments import (
+    FENCE,
+    KEY_HOLDERS,
+    READY,
+    THE_CLAIM,
+    claims,
+    failed_for_good,
+    running_in,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
@@ -63,10 +71,13 @@ SET """
     errors       = j.errors || jsonb_build_array(jsonb_build_object(
                      'exception_class_path', mine.error_class, 'traceback', mine.error)),
     crashes      = 0
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
+FROM """
+    + claims(
+        """,
             %(errors)s::text[], %(error_classes)s::text[], %(bases)s::float8[],
-            %(caps)s::float8[], %(finals)s::bool[], %(delays)s::float8[], %(jitters)s::bool[])
-     AS mine(id, attempts, claimed_at, error, error_class, base, cap, final, delay, jitter)"""
+            %(caps)s::float8[], %(finals)s::bool[], %(delays)s::float8[], %(jitters)s::bool[]""",
+        ", error, error_class, base, cap, final, delay, jitter",
+    )
     + FENCE
     + """
 RETURNING j.id, j.status, j.run_at
@@ -90,9 +101,8 @@ SET status       = 'queued',
     locked_until = NULL,
     attempted_at = NULL,
     crashes      = 0
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
-            %(delays)s::float8[])
-     AS mine(id, attempts, claimed_at, delay)"""
+FROM """
+    + claims(", %(delays)s::float8[]", ", delay")
     + FENCE
     + """
 RETURNING j.id
@@ -105,8 +115,8 @@ EXTEND_LEASE: LiteralString = (
     """
 UPDATE pgjobs_job j
 SET locked_until = now() + %(lease)s::interval
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
-     AS mine(id, attempts, claimed_at)"""
+FROM """
+    + claims()
     + FENCE
     + """
 RETURNING j.id
@@ -123,8 +133,8 @@ EXPIRE_LEASE: LiteralString = (
     """
 UPDATE pgjobs_job j
 SET locked_until = j.attempted_at
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
-     AS mine(id, attempts, claimed_at)"""
+FROM """
+    + claims()
     + FENCE
     + """
 RETURNING j.id
@@ -145,9 +155,8 @@ SET status          = 'queued',
     attempted_at    = NULL,
     worker_ids      = j.worker_ids - (jsonb_array_length(j.worker_ids) - 1),
     outage_releases = j.outage_releases + mine.outage::int
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[],
-            %(outages)s::bool[])
-     AS mine(id, attempts, claimed_at, outage)"""
+FROM """
+    + claims(", %(outages)s::bool[]", ", outage")
     + FENCE
     + """
 RETURNING j.id
@@ -158,14 +167,17 @@ RETURNING j.id
 # Which of a worker's refused claims were cancelled (rather than reaped): read only after a
 # fenced write changed nothing, so the normal path never sends it. Matched on the claim (id,
 # attempts, claim time), so a cancel of a later claim of the job is not taken for ours.
-CANCELLED_AMONG: LiteralString = """
+CANCELLED_AMONG: LiteralString = (
+    """
 SELECT j.id
 FROM pgjobs_job j
-JOIN unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[])
-     AS mine(id, attempts, claimed_at)
-  ON j.id = mine.id AND j.status = 'cancelled' AND j.attempts = mine.attempts
-     AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)
+JOIN """
+    + claims()
+    + "\n  ON "
+    + THE_CLAIM
+    + """ AND j.status = 'cancelled'
 """
+)
 
 
 # Jobs that held a slot under their queue's concurrency limit, or a lock key, no longer run

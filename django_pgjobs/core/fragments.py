@@ -19,18 +19,31 @@ COMMIT: LiteralString = """
                                   current_setting('synchronous_commit')), true)) IS NOT NULL"""
 
 
-# The fence, the heart of the design: a write after the claim changes a row only while it is
-# still this claim's, `running` with the attempt number and the claim time (attempted_at)
-# the claim returned. Attempts alone could match a later claim (a release gives the attempt
-# back, an operator's retry resets them); no two claims share a claim time. A NULL claim time
-# (a caller who kept only the id and attempts) fences on the attempts alone. Every fenced
-# statement joins its claims as `mine` (id, attempts, claimed_at, ...) and ends with this.
-FENCE: LiteralString = (
-    """
-WHERE j.id = mine.id AND j.status = 'running' AND j.attempts = mine.attempts
+# The claims a fenced statement takes, as its row source `mine`: parallel arrays of ids,
+# attempts and claim times (types.fences() shapes them, in id order), and the statement's own
+# `arrays` beside them, named `names`.
+def claims(arrays: LiteralString = "", names: LiteralString = "") -> LiteralString:
+    """``unnest(ids, attempts, claimed_at, ...) AS mine(id, attempts, claimed_at, ...)``."""
+    return (
+        "unnest(%(ids)s::bigint[], %(attempts)s::int[], %(claimed_at)s::timestamptz[]"
+        + arrays
+        + ")\n     AS mine(id, attempts, claimed_at"
+        + names
+        + ")"
+    )
+
+
+# A row that is still the claim `mine` took: the same attempt, and the claim time
+# (attempted_at) the claim returned. Attempts alone could match a later claim (a release gives
+# the attempt back, an operator's retry resets them); no two claims share a claim time. A NULL
+# claim time (a caller who kept only the id and attempts) matches on the attempts alone.
+THE_CLAIM: LiteralString = """j.id = mine.id AND j.attempts = mine.attempts
   AND (mine.claimed_at IS NULL OR j.attempted_at = mine.claimed_at)"""
-    + COMMIT
-)
+
+# The fence, the heart of the design: a write after the claim changes a row only while it is
+# still this claim's and `running`. Every fenced statement joins its claims as `mine` and
+# ends with this.
+FENCE: LiteralString = "\nWHERE " + THE_CLAIM + " AND j.status = 'running'" + COMMIT
 
 
 # A job a claim may start now: waiting, and due. Every reader of "ready" uses this (the claims,
