@@ -34,11 +34,11 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_pgjobs import conf, registry, validation
 from django_pgjobs.core import claim, execute
-from django_pgjobs.core.types import ClaimedJob, Failure
+from django_pgjobs.core.types import Action, ClaimedJob, Failure, Outcome
 from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.ops import dashboard
-from django_pgjobs.worker.outcomes import RELEASE, Outcome, WorkerStats, finished, result_of
+from django_pgjobs.worker.outcomes import WorkerStats, finished, result_of
 from django_pgjobs.worker.store import Store
 from django_pgjobs.worker.transaction import record, run_claimed
 
@@ -346,7 +346,7 @@ def _ready(connection: BaseDatabaseWrapper, queue: str | None) -> dict[str, int]
 def _run(store: Store, job: ClaimedJob) -> JobOutcome:
     """One claimed job, as transaction mode runs it: call, then the fenced write."""
     outcome: Outcome = run_claimed(job, store.alias)
-    if outcome.action == RELEASE:
+    if outcome.action == Action.RELEASE:
         # Only after an outage of the queue's database: give the claim back, uncounted.
         store.release([job], outage=outcome.outage)
         name = "released"

@@ -20,11 +20,12 @@ from django.db import OperationalError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from django_pgjobs.core import finish
+from django_pgjobs.core.types import Action, Outcome
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.executor import context
-from django_pgjobs.worker.outcomes import COMPLETE, SNOOZE, Outcome, WorkerStats
+from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.store import Store
 from testproject.shop.models import Order
 from testproject.testjobs import noop
@@ -321,7 +322,7 @@ def test_a_job_cancelled_after_its_function_returned_counts_as_cancelled_not_los
     cancelled = fingerprint(job_id)
 
     with caplog.at_level(logging.INFO, logger="django_pgjobs.worker"):
-        writer._write([Outcome(claimed, COMPLETE)])
+        writer._write([Outcome(claimed, Action.COMPLETE)])
 
     assert (stats.cancelled, stats.lost, stats.done) == (1, 0, 0)
     assert fingerprint(job_id) == cancelled
@@ -338,7 +339,7 @@ def test_a_snooze_refused_because_of_a_cancel_counts_as_cancelled_not_snoozed() 
     writer.hold([claimed])
     Job.objects.cancel([job_id])
 
-    writer._write([Outcome(claimed, SNOOZE, delay=60)])
+    writer._write([Outcome(claimed, Action.SNOOZE, delay=60)])
 
     assert (stats.cancelled, stats.snoozed, stats.lost) == (1, 0, 0)
     assert status(job_id) == "cancelled"
@@ -364,7 +365,7 @@ def test_a_failed_cancelled_lookup_never_writes_committed_outcomes_again() -> No
     writer = Completer(store, timedelta(0), stats, "test:1")
     writer.hold(claims)
     Job.objects.cancel([doomed])
-    batch = [Outcome(job, COMPLETE) for job in claims]
+    batch = [Outcome(job, Action.COMPLETE) for job in claims]
 
     writer._write(batch)
 

@@ -19,14 +19,14 @@ from django.db import connection
 
 from django_pgjobs import conf
 from django_pgjobs.core import finish
-from django_pgjobs.core.types import ClaimedJob
+from django_pgjobs.core.types import Action, ClaimedJob
 from django_pgjobs.models import Job
 from django_pgjobs.worker import completer as completer_module
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import unavailable
 from django_pgjobs.worker.executor import Shared
 from django_pgjobs.worker.lease import LeaseMode
-from django_pgjobs.worker.outcomes import COMPLETE, WorkerStats
+from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.store import Store
 from testproject.testjobs import noop, sleep
 from tests.helpers import listening, wait_until
@@ -136,7 +136,7 @@ def test_a_claim_that_meets_an_outage_gives_its_completions_back(parts: Parts) -
     # Neither part was written; the completion is the completer's again.
     assert row(first)[:2] == ("running", 1)
     assert row(second)[:2] == ("queued", 0)
-    assert [(o.job.id, o.action) for o in parts.completer._pending] == [(first, COMPLETE)]
+    assert [(o.job.id, o.action) for o in parts.completer._pending] == [(first, Action.COMPLETE)]
     parts.store.close()
     parts.completer.start()
     wait_until(lambda: parts.stats.done == 1, message="the completer to write and count it")

@@ -189,7 +189,7 @@ def test_an_excerpt_is_checked_and_never_rewritten(tmp_path: Path) -> None:
 
         <!-- excerpt: core.finish.COMPLETE -->
         ```sql
-        WHERE j.id = mine.id AND j.attempts = mine.attempts
+        WHERE j.id = mine.id AND j.status = 'queued'
         ```
 
         <!-- quoted: {ARTICLE} -->

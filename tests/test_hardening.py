@@ -20,13 +20,14 @@ import psycopg
 import pytest
 from django.db import connection
 
+from django_pgjobs.core.types import Action, Outcome
 from django_pgjobs.core.upkeep import REAP_SETTLE
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.executor import MAX_OUTAGE_RELEASES
-from django_pgjobs.worker.outcomes import RELEASE, Outcome, WorkerStats
+from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.store import Store
 from scripts.pgserver import ThrowawayPostgres
 from testproject.testjobs import (
@@ -203,7 +204,7 @@ def test_a_job_claimed_again_before_its_old_outcome_is_forgotten_stays_held() ->
         completer.hold([old])
         completer.hold([again])  # as the producer's next claim of the same job would
         completer.start()
-        completer.record(Outcome(old, RELEASE))
+        completer.record(Outcome(old, Action.RELEASE))
         # The old claim's outcome is counted once the completer has forgotten that claim.
         wait_until(lambda: stats.released == 1, message="the release to be written")
         assert job_row(job_id)["status"] == "queued"

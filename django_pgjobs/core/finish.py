@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from django_pgjobs import validation
+from django_pgjobs import conf, validation
 from django_pgjobs.core.fragments import (
     FENCE,
     KEY_HOLDERS,
@@ -23,7 +23,16 @@ from django_pgjobs.core.fragments import (
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
 from django_pgjobs.core.execute import Connection, run
-from django_pgjobs.core.types import Claim, FailedAttempt, clean_error, fence_of, fences
+from django_pgjobs.core.types import (
+    Action,
+    Claim,
+    FailedAttempt,
+    Failure,
+    Outcome,
+    clean_error,
+    fence_of,
+    fences,
+)
 
 logger = logging.getLogger("django_pgjobs.managers")
 
@@ -390,3 +399,46 @@ def wake_freed(connection: Connection, job_ids: Collection[int], *, channel: str
     (``WAKE_FREED``), in a transaction of its own: ``connection`` in autocommit."""
     if job_ids:
         run(connection, WAKE_FREED, {"ids": list(job_ids), "channel": channel})
+
+
+class Writes(Protocol):
+    """Where a worker's outcomes are written: its ``Store``, which knows the connection and
+    how durably the writes commit."""
+
+    def complete(self, jobs: Iterable[Claim], results: dict[int, Any]) -> set[int]: ...
+
+    def fail(self, attempts: Sequence[FailedAttempt]) -> dict[int, str]: ...
+
+    def snooze(self, snoozes: Sequence[tuple[Claim, float]]) -> set[int]: ...
+
+    def release(self, jobs: Iterable[Claim], *, outage: bool = False) -> set[int]: ...
+
+
+def write(writes: Writes, action: str, outcomes: Sequence[Outcome]) -> dict[int, str]:
+    """Write ``outcomes``, all of kind ``action``, through their fenced statement: the one
+    mapping from an outcome to its write, for both modes. Returns the new status of each job
+    the fence let through (a released job is ``queued`` again); a job missing is no longer
+    this claim's. A failure's retry delay follows the job's backoff, else the settings'."""
+    if action == Action.COMPLETE:
+        jobs = [o.job for o in outcomes]
+        return dict.fromkeys(writes.complete(jobs, {o.job.id: o.result for o in outcomes}), "done")
+    if action == Action.FAIL:
+        default = conf.backoff()
+        attempts = [
+            FailedAttempt(
+                o.job, o.failure or Failure.of(""), o.backoff or default, o.final, o.delay, o.jitter
+            )
+            for o in outcomes
+        ]
+        return writes.fail(attempts)
+    if action == Action.SNOOZE:
+        snoozed = writes.snooze([(o.job, o.delay or 0.0) for o in outcomes])
+        return dict.fromkeys(snoozed, "queued")
+    if action != Action.RELEASE:
+        raise ValueError(f"no outcome {action!r}")
+    released: set[int] = set()
+    for outage in (False, True):
+        jobs = [o.job for o in outcomes if o.outage == outage]
+        if jobs:
+            released |= writes.release(jobs, outage=outage)
+    return dict.fromkeys(released, "queued")

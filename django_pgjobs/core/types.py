@@ -8,7 +8,7 @@ import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from django_pgjobs.exceptions import InvalidJobOptions
 
@@ -152,3 +152,41 @@ class FailedAttempt:
     final: bool = False
     delay: float | None = None
     jitter: bool = False
+
+
+# What a worker writes for a job whose attempt ended, one statement per kind (finish.write).
+class Action:
+    """The kinds of outcome, each written by its own fenced statement (``finish.write``)."""
+
+    COMPLETE: Final = "complete"
+    FAIL: Final = "fail"
+    RELEASE: Final = "release"
+    SNOOZE: Final = "snooze"
+
+
+@dataclass
+class Outcome:
+    """What to write for one job: complete (with its result), fail, release or snooze.
+
+    A ``final`` failure fails the job for good whatever attempts it has left (a payload that
+    can never run, an error the job's ``discard_on`` or ``retry_on`` gives up on); an
+    ``outage`` release is counted in the job's ``outage_releases``. ``delay`` (seconds) is a
+    snooze's, or a failure's from the job's backoff callable (None: the ``backoff`` formula);
+    ``jitter`` spreads a failure's delay. ``error`` is what the job raised (or the
+    ``JobTimeout`` it ran into): what ``job_finished`` and the error's log line carry.
+    ``rides``: a completion may be written in a claim's statement (``COMPLETE_WITH_CLAIM``);
+    False once a claim failed on it for another reason than an outage.
+    """
+
+    job: ClaimedJob
+    action: str
+    duration: float = 0.0
+    failure: Failure | None = None
+    result: Any = None
+    backoff: tuple[float, float] | None = None
+    final: bool = False
+    outage: bool = False
+    delay: float | None = None
+    jitter: bool = False
+    error: BaseException | None = None
+    rides: bool = True

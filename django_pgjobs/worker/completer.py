@@ -36,21 +36,13 @@ from typing import TYPE_CHECKING
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
-from django_pgjobs import conf
 from django_pgjobs.context import JobContext
+from django_pgjobs.core import finish
 from django_pgjobs.core.finish import word_not_sent
-from django_pgjobs.core.types import ClaimedJob, FailedAttempt, Failure
+from django_pgjobs.core.types import Action, ClaimedJob, Outcome
 from django_pgjobs.worker.db import Backoff, unavailable
 from django_pgjobs.worker.executor import timed_out
-from django_pgjobs.worker.outcomes import (
-    COMPLETE,
-    FAIL,
-    RELEASE,
-    SNOOZE,
-    Outcome,
-    WorkerStats,
-    finished,
-)
+from django_pgjobs.worker.outcomes import WorkerStats, finished
 from django_pgjobs.worker.store import Store
 
 if TYPE_CHECKING:
@@ -409,7 +401,7 @@ class Completer(threading.Thread):
         takes no completions; under a limit a job counts until it is written, and its end
         is word to other workers (``_wake_freed()``), which the claim does not send."""
         return (
-            o.action == COMPLETE
+            o.action == Action.COMPLETE
             and o.rides
             and not o.job.guarded
             and o.job.queue not in self._guarded
@@ -467,7 +459,7 @@ class Completer(threading.Thread):
         # Each kind is removed from the batch as soon as its statement commits, before
         # anything else is asked of the database, so a retry after an outage never writes it
         # twice.
-        for action in (COMPLETE, FAIL, SNOOZE, RELEASE):
+        for action in (Action.COMPLETE, Action.FAIL, Action.SNOOZE, Action.RELEASE):
             group = [o for o in batch if o.action == action]
             if not group:
                 continue
@@ -498,31 +490,10 @@ class Completer(threading.Thread):
     def _write_group(self, action: str, group: list[Outcome]) -> dict[int, str] | None:
         """Write one kind of outcome in one statement; the new status of each job it changed
         (None for releases, which are only counted)."""
-        if action == COMPLETE:
-            done = self.store.complete((o.job for o in group), {o.job.id: o.result for o in group})
-            return dict.fromkeys(done, "done")
-        if action == FAIL:
-            default = conf.backoff()
-            return self.store.fail(
-                [
-                    FailedAttempt(
-                        o.job,
-                        o.failure or Failure.of(""),
-                        o.backoff or default,
-                        o.final,
-                        o.delay,
-                        o.jitter,
-                    )
-                    for o in group
-                ]
-            )
-        if action == SNOOZE:
-            snoozed = self.store.snooze([(o.job, o.delay or 0.0) for o in group])
-            return dict.fromkeys(snoozed, "queued")
-        for outage in (False, True):
-            jobs = [o.job for o in group if o.outage == outage]
-            if jobs:
-                self.stats.add("released", len(self.store.release(jobs, outage=outage)))
+        statuses = finish.write(self.store, action, group)
+        if action != Action.RELEASE:
+            return statuses
+        self.stats.add("released", len(statuses))
         return None
 
     def _finished(self, group: list[Outcome], statuses: dict[int, str]) -> None:

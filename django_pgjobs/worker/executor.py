@@ -24,7 +24,7 @@ from django.db import connections, transaction
 
 from django_pgjobs import registry, signals, validation
 from django_pgjobs.context import JobContext, reset_current_job, set_current_job
-from django_pgjobs.core.types import ClaimedJob, Failure
+from django_pgjobs.core.types import Action, ClaimedJob, Failure, Outcome
 from django_pgjobs.exceptions import InvalidPayload, JobTimeout, Snooze, UnknownTask
 from django_pgjobs.registry import JobFunction
 from django_pgjobs.worker.db import (
@@ -35,7 +35,7 @@ from django_pgjobs.worker.db import (
     queue_database_away,
     unavailable,
 )
-from django_pgjobs.worker.outcomes import COMPLETE, FAIL, RELEASE, SNOOZE, Outcome, WorkerStats
+from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.store import Store
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def invalid(job: ClaimedJob) -> Outcome | None:
     if job.invalid_payload is None:
         return None
     error = InvalidPayload(f"Job {job.id} ({job.task}, queue {job.queue}): {job.invalid_payload}.")
-    return Outcome(job, FAIL, failure=Failure.from_exception(error), final=True, error=error)
+    return Outcome(job, Action.FAIL, failure=Failure.from_exception(error), final=True, error=error)
 
 
 def begin(job: ClaimedJob, alias: str) -> JobFunction[..., Any]:
@@ -169,7 +169,7 @@ def returned(job: ClaimedJob, func: JobFunction[..., Any], value: Any, started: 
         validation.result(value)
     else:
         value = None
-    return Outcome(job, COMPLETE, time.perf_counter() - started, result=value)
+    return Outcome(job, Action.COMPLETE, time.perf_counter() - started, result=value)
 
 
 def raised(
@@ -183,7 +183,7 @@ def raised(
     queue's database (``away``: the error came from one), or failed."""
     duration = time.perf_counter() - started
     if isinstance(exc, Snooze):
-        return Outcome(job, SNOOZE, duration, delay=exc.seconds)
+        return Outcome(job, Action.SNOOZE, duration, delay=exc.seconds)
     failure = Failure.from_exception(exc)
     if away:
         if job.outage_releases < MAX_OUTAGE_RELEASES:
@@ -194,7 +194,7 @@ def raised(
                 job.attempts,
                 extra={"action": "release", "job_id": job.id, "attempts": job.attempts},
             )
-            return Outcome(job, RELEASE, duration, failure, outage=True, error=exc)
+            return Outcome(job, Action.RELEASE, duration, failure, outage=True, error=exc)
         logger.warning(
             "job %s %s was released %s times after database outages; counting this attempt",
             job.id,
@@ -271,11 +271,11 @@ def failed(
     """A failed attempt, retried or not as the job's policy says (``decide()``); a task that
     is not registered is retried on the default schedule."""
     if func is None:
-        return Outcome(job, FAIL, duration, failure, error=exc)
+        return Outcome(job, Action.FAIL, duration, failure, error=exc)
     final, delay = decide(func, exc, job.attempts)
     return Outcome(
         job,
-        FAIL,
+        Action.FAIL,
         duration,
         failure,
         backoff=func.backoff if isinstance(func.backoff, tuple) else None,

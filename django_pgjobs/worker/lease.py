@@ -25,12 +25,12 @@ from django.db import DatabaseError
 
 from django_pgjobs.context import JobContext
 from django_pgjobs.core import execute
-from django_pgjobs.core.types import ClaimedJob
+from django_pgjobs.core.types import Action, ClaimedJob, Outcome
 from django_pgjobs.exceptions import InvalidResult
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import reset_all, tidy, tidy_opened, unavailable
 from django_pgjobs.worker.executor import Shared, acall, call, context
-from django_pgjobs.worker.outcomes import RELEASE, Outcome, announce
+from django_pgjobs.worker.outcomes import announce
 
 logger = logging.getLogger("django_pgjobs.worker")
 
@@ -108,7 +108,7 @@ class LeaseMode:
         self.completer.hold(jobs)
         if self.stopping.is_set():
             for job in jobs:
-                self.completer.record(Outcome(job, RELEASE))
+                self.completer.record(Outcome(job, Action.RELEASE))
             return len(jobs)
         for job in jobs:
             if job.crashes > 0:

@@ -12,46 +12,16 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from django_pgjobs import registry, signals
-from django_pgjobs.core.types import ClaimedJob, Failure, last_line
+from django_pgjobs.core.types import Action, Outcome, last_line
 from django_pgjobs.exceptions import UnknownTask
 
 if TYPE_CHECKING:
     from django_pgjobs.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger("django_pgjobs.worker")
-
-COMPLETE, FAIL, RELEASE, SNOOZE = "complete", "fail", "release", "snooze"
-
-
-@dataclass
-class Outcome:
-    """What to write for one job: complete (with its result), fail, release or snooze.
-
-    A ``final`` failure fails the job for good whatever attempts it has left (a payload that
-    can never run, an error the job's ``discard_on`` or ``retry_on`` gives up on); an
-    ``outage`` release is counted in the job's ``outage_releases``. ``delay`` (seconds) is a
-    snooze's, or a failure's from the job's backoff callable (None: the ``backoff`` formula);
-    ``jitter`` spreads a failure's delay. ``error`` is what the job raised (or the
-    ``JobTimeout`` it ran into): what ``job_finished`` and the error's log line carry.
-    ``rides``: a completion may be written in a claim's statement (``COMPLETE_WITH_CLAIM``);
-    False once a claim failed on it for another reason than an outage.
-    """
-
-    job: ClaimedJob
-    action: str
-    duration: float = 0.0
-    failure: Failure | None = None
-    result: Any = None
-    backoff: tuple[float, float] | None = None
-    final: bool = False
-    outage: bool = False
-    delay: float | None = None
-    jitter: bool = False
-    error: BaseException | None = None
-    rides: bool = True
 
 
 @dataclass
@@ -114,7 +84,7 @@ _COUNTER_NAMES = frozenset(COUNTERS.values())
 def result_of(outcome: Outcome, status: str | None) -> str:
     """What became of a job whose outcome was written and left it in ``status``: done, retry,
     failed, snoozed, cancelled, or lost (``status`` None: fenced out)."""
-    if outcome.action == SNOOZE and status == "queued":
+    if outcome.action == Action.SNOOZE and status == "queued":
         return "snoozed"
     return OUTCOMES.get(status or "", "lost")
 

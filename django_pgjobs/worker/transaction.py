@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from django.db import DatabaseError, transaction
 
-from django_pgjobs import conf
-from django_pgjobs.core.types import ClaimedJob, FailedAttempt
+from django_pgjobs.core import finish
+from django_pgjobs.core.types import Action, ClaimedJob, Outcome
 from django_pgjobs.worker.db import reset, tidy, unavailable
 from django_pgjobs.worker.executor import Shared, call, context, timed_out
-from django_pgjobs.worker.outcomes import RELEASE, SNOOZE, Outcome, finished
+from django_pgjobs.worker.outcomes import finished
 from django_pgjobs.worker.store import Store
 
 
@@ -37,10 +37,10 @@ def run_claimed(job: ClaimedJob, alias: str) -> Outcome:
     inside a test's transaction."""
     with transaction.atomic(using=alias):
         outcome = call(job, context(job), alias)
-        if outcome.action != RELEASE and past_timeout(outcome):
+        if outcome.action != Action.RELEASE and past_timeout(outcome):
             outcome = timed_out(outcome.job, outcome.duration)
         # A snooze is "not now": the job's writes go, as a failure's do.
-        if outcome.failure or outcome.action == SNOOZE:
+        if outcome.failure or outcome.action == Action.SNOOZE:
             transaction.set_rollback(True, using=alias)
     return outcome
 
@@ -48,21 +48,7 @@ def run_claimed(job: ClaimedJob, alias: str) -> Outcome:
 def record(store: Store, outcome: Outcome) -> str | None:
     """Write a completed, failed or snoozed job's outcome through the fenced statements; the
     job's new status, or None when the fence refused the write (the job is no longer ours)."""
-    job = outcome.job
-    if outcome.action == SNOOZE:
-        return "queued" if store.snooze([(job, outcome.delay or 0.0)]) else None
-    if outcome.failure:
-        attempt = FailedAttempt(
-            job,
-            outcome.failure,
-            outcome.backoff or conf.backoff(),
-            outcome.final,
-            outcome.delay,
-            outcome.jitter,
-        )
-        return store.fail([attempt]).get(job.id)
-    done = store.complete([job], {job.id: outcome.result})
-    return "done" if done else None
+    return finish.write(store, outcome.action, [outcome]).get(outcome.job.id)
 
 
 @dataclass
@@ -113,7 +99,7 @@ class TransactionMode:
                 if not jobs:
                     return
                 outcome = run_claimed(jobs[0], alias)
-                if outcome.action == RELEASE:
+                if outcome.action == Action.RELEASE:
                     # Roll the claim back with the rest: the attempt is not counted.
                     transaction.set_rollback(True, using=alias)
                     return
