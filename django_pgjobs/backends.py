@@ -28,7 +28,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from django_pgjobs import checks, conf, registry, validation
+from django_pgjobs import conf, registry, validation
 from django_pgjobs.context import JobContext, current_job
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, Snooze, UnknownTask
 from django_pgjobs.managers import Failure
@@ -485,7 +485,7 @@ class PgJobsBackend(BaseTaskBackend):
                         "at most BACKOFF_MAX.",
                         id="pgjobs.E024",
                     )
-        yield from checks.backoff_errors(*self.backoff, where)
+        yield from validation.backoff_errors(*self.backoff, where)
         yield from self._policy_problems(f"{where}['OPTIONS']")
 
     def _policy_problems(self, where: str) -> Iterable[django_checks.CheckMessage]:

@@ -105,31 +105,10 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             validate(conf.get(key))
         except InvalidJobOptions as exc:
             errors.append(checks.Error(str(exc), hint=_hint(key), id=_IDS[key]))
-    errors.extend(backoff_errors(conf.get("BACKOFF_BASE"), conf.get("BACKOFF_MAX"), "PGJOBS"))
+    errors.extend(
+        validation.backoff_errors(conf.get("BACKOFF_BASE"), conf.get("BACKOFF_MAX"), "PGJOBS")
+    )
     return errors
-
-
-def backoff_errors(base: object, cap: object, where: str) -> list[checks.CheckMessage]:
-    """pgjobs.E009 for a backoff pair whose base and cap are numbers but out of range.
-
-    Values that are not numbers of seconds at all are left to their own checks.
-    """
-    try:
-        validation.seconds("base", base)
-        validation.seconds("cap", cap)
-    except InvalidJobOptions:
-        return []
-    try:
-        validation.backoff(base, cap)
-    except InvalidJobOptions as exc:
-        return [
-            checks.Error(
-                f"{where} backoff is BACKOFF_BASE={base!r}, BACKOFF_MAX={cap!r}.",
-                hint=f"{exc} (Defaults: 10 and 3600 seconds.)",
-                id="pgjobs.E009",
-            )
-        ]
-    return []
 
 
 def check_engine(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:

@@ -122,7 +122,7 @@ SELECT set_config('pgjobs.test_clock', ("""
 
 
 __all__ = [
-    "Enqueued",
+    "EnqueuedJob",
     "JobOutcome",
     "PgJobs",
     "advance",
@@ -167,7 +167,7 @@ class JobOutcome:
 
 
 @dataclass(frozen=True)
-class Enqueued:
+class EnqueuedJob:
     """One job in the table, as the test sees it: ``kwargs`` are the keyword arguments it is
     called with (a ``django.tasks`` task's ``kwargs``, else the payload itself)."""
 
@@ -364,7 +364,7 @@ def _run(store: Store, job: ClaimedJob) -> JobOutcome:
 # -- what was enqueued
 
 
-def enqueued(task: object = None, queue: str | None = None) -> list[Enqueued]:
+def enqueued(task: object = None, queue: str | None = None) -> list[EnqueuedJob]:
     """The jobs in the table (in a TestCase: those the test enqueued), oldest first, of any
     status; only those of ``task`` (a @job function, a task, or a name) and ``queue``."""
     jobs = Job.objects.using(conf.database()).order_by("id")
@@ -373,12 +373,12 @@ def enqueued(task: object = None, queue: str | None = None) -> list[Enqueued]:
     if queue is not None:
         jobs = jobs.filter(queue=validation.queue_name(queue))
     return [
-        Enqueued(j.id, j.task, j.queue, j.payload, j.status, j.run_at, j.priority, j.attempts)
+        EnqueuedJob(j.id, j.task, j.queue, j.payload, j.status, j.run_at, j.priority, j.attempts)
         for j in jobs
     ]
 
 
-def _matching(task: object, payload: dict[str, Any]) -> tuple[list[Enqueued], list[Enqueued]]:
+def _matching(task: object, payload: dict[str, Any]) -> tuple[list[EnqueuedJob], list[EnqueuedJob]]:
     """The jobs of ``task`` (any, for None) whose arguments include ``payload``; and all."""
     everything = enqueued()
     name = None if task is None else _task_name(task)
@@ -391,7 +391,7 @@ def _matching(task: object, payload: dict[str, Any]) -> tuple[list[Enqueued], li
     return found, everything
 
 
-def _listing(jobs: Sequence[Enqueued]) -> str:
+def _listing(jobs: Sequence[EnqueuedJob]) -> str:
     if not jobs:
         return "no job was enqueued"
     return "enqueued instead:\n" + "\n".join(f"  {job}" for job in jobs)
@@ -402,7 +402,7 @@ def _wanted(task: object, payload: dict[str, Any]) -> str:
     return what + (f" with {json.dumps(payload, sort_keys=True, default=str)}" if payload else "")
 
 
-def assert_enqueued(task: object, **payload: Any) -> list[Enqueued]:
+def assert_enqueued(task: object, **payload: Any) -> list[EnqueuedJob]:
     """Fail unless a job of ``task`` was enqueued whose arguments include ``payload`` (keys
     not given are not compared); returns the matching jobs. The failure lists every job
     enqueued instead."""

@@ -19,6 +19,7 @@ from datetime import timezone as dt_timezone
 from typing import Any, TypeAlias
 
 from django.conf import settings
+from django.core import checks as django_checks
 from django.utils import timezone
 
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, InvalidResult
@@ -596,3 +597,27 @@ def result(value: object) -> str | None:
         return None
     _check(value, "the return value", InvalidResult, 1)
     return _ENCODER.encode(value)
+
+
+def backoff_errors(base: object, cap: object, where: str) -> list[django_checks.CheckMessage]:
+    """pgjobs.E009 for a backoff pair whose base and cap are numbers but out of range (the
+    settings' and a django.tasks backend's checks).
+
+    Values that are not numbers of seconds at all are left to their own checks.
+    """
+    try:
+        seconds("base", base)
+        seconds("cap", cap)
+    except InvalidJobOptions:
+        return []
+    try:
+        backoff(base, cap)
+    except InvalidJobOptions as exc:
+        return [
+            django_checks.Error(
+                f"{where} backoff is BACKOFF_BASE={base!r}, BACKOFF_MAX={cap!r}.",
+                hint=f"{exc} (Defaults: 10 and 3600 seconds.)",
+                id="pgjobs.E009",
+            )
+        ]
+    return []

@@ -742,7 +742,7 @@ def check_autovacuum_behind(report: Report, limits: Thresholds) -> list[str]:
 SCHEDULER_FAILURES = 3
 
 
-def check_schedules(report: Report, limits: Thresholds) -> list[str]:
+def check_schedule_health(report: Report, limits: Thresholds) -> list[str]:
     problems = []
     for schedule in report.schedules:
         # One failed step is retried at the next tick; a run of them is the problem.
@@ -775,7 +775,7 @@ CHECKS: list[Check] = [
     check_payload_trigger,
     check_autovacuum_settings,
     check_autovacuum_behind,
-    check_schedules,
+    check_schedule_health,
 ]
 
 

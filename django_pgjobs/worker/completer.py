@@ -40,7 +40,7 @@ from django_pgjobs.context import JobContext
 from django_pgjobs.core import finish
 from django_pgjobs.core.finish import word_not_sent
 from django_pgjobs.core.types import Action, ClaimedJob, Outcome
-from django_pgjobs.worker.db import Backoff, unavailable
+from django_pgjobs.worker.db import ReconnectBackoff, unavailable
 from django_pgjobs.worker.executor import timed_out
 from django_pgjobs.worker.outcomes import WorkerStats, finished
 from django_pgjobs.worker.store import Store
@@ -267,7 +267,7 @@ class Completer(threading.Thread):
     # -- the thread ----------------------------------------------------------------------
 
     def run(self) -> None:
-        backoff = Backoff("completer")
+        backoff = ReconnectBackoff("completer")
         try:
             while True:
                 with self._lock:

@@ -200,7 +200,7 @@ def reset(alias: str) -> None:
     _opened.dropped = getattr(_opened, "dropped", set()) | {alias}
 
 
-class Backoff:
+class ReconnectBackoff:
     """Exponential wait between reconnects: 0.5 s doubling to ``ceiling``, reset on success."""
 
     def __init__(self, what: str, ceiling: float = 30.0) -> None:

@@ -65,7 +65,12 @@ class WorkerStats:
 
 # The status a fenced write left the job in -> what became of it; None: the fence refused us
 # ("cancelled": it refused us because the job was cancelled while it ran).
-OUTCOMES = {"done": "done", "queued": "retry", "failed": "failed", "cancelled": "cancelled"}
+OUTCOME_OF_STATUS = {
+    "done": "done",
+    "queued": "retry",
+    "failed": "failed",
+    "cancelled": "cancelled",
+}
 COUNTERS = {
     "done": "done",
     "retry": "retried",
@@ -86,7 +91,7 @@ def result_of(outcome: Outcome, status: str | None) -> str:
     failed, snoozed, cancelled, or lost (``status`` None: fenced out)."""
     if outcome.action == Action.SNOOZE and status == "queued":
         return "snoozed"
-    return OUTCOMES.get(status or "", "lost")
+    return OUTCOME_OF_STATUS.get(status or "", "lost")
 
 
 def finished(

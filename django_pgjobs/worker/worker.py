@@ -38,7 +38,7 @@ from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.notify import Listener
 from django_pgjobs.worker import metrics
 from django_pgjobs.worker.completer import Completer
-from django_pgjobs.worker.db import Backoff, unavailable
+from django_pgjobs.worker.db import ReconnectBackoff, unavailable
 from django_pgjobs.worker.executor import Executor, Shared
 from django_pgjobs.worker.lease import LeaseMode
 from django_pgjobs.worker.loop import EventLoop
@@ -438,7 +438,7 @@ class Worker:
         Between ticks only a NOTIFY, a freed slot while the queue may hold more, a
         deferred job coming due, or a schedule's tick wakes the producer, so an idle worker
         is silent."""
-        backoff = Backoff("producer")
+        backoff = ReconnectBackoff("producer")
         settle = upkeep.REAP_SETTLE.total_seconds()
         failed_at = -math.inf  # the producer's latest failed statement
         tick = min(self.poll_interval, self.reap_interval or self.poll_interval)

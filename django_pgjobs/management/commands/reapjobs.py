@@ -12,7 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 from django_pgjobs.models import Job
-from django_pgjobs.worker.db import Backoff, unavailable
+from django_pgjobs.worker.db import ReconnectBackoff, unavailable
 
 
 class Command(BaseCommand):
@@ -41,7 +41,7 @@ class Command(BaseCommand):
 
             signal.signal(signal.SIGTERM, on_signal)
             signal.signal(signal.SIGINT, on_signal)
-        backoff = Backoff("reapjobs")
+        backoff = ReconnectBackoff("reapjobs")
         while True:
             try:
                 reaped = manager.reap()
