@@ -79,7 +79,7 @@ DEFAULTS: dict[str, Any] = {
     # {"name": {"task": "dotted.name", "cron": "*/5 * * * *", "kwargs": {...}}, ...}.
     "SCHEDULE": {},
     # The doctor's thresholds for views.health and jobsdoctor --watch, by name ("lag": seconds
-    # the oldest ready job may wait, ...); the ones left out keep doctor.Thresholds' defaults.
+    # the oldest ready job may wait, ...); the ones left out keep findings.Thresholds' defaults.
     "HEALTH_THRESHOLDS": {},
     # A bearer token that lets a monitoring system read views.metrics and views.health without
     # a staff session; None: staff sessions only.
@@ -231,7 +231,7 @@ def schedule() -> object:
 
 
 def health_thresholds() -> dict[str, Any]:
-    """The thresholds set, by ``doctor.Thresholds`` field name (seconds; ``slot_age`` an int)."""
+    """The thresholds set, by ``findings.Thresholds`` field name (seconds; ``slot_age`` an int)."""
     thresholds: dict[str, Any] = value("HEALTH_THRESHOLDS")
     return thresholds
 

@@ -394,7 +394,7 @@ def imports(value: object, name: str = "imports") -> list[str]:
     return list(value)
 
 
-# The thresholds of doctor.Thresholds that PGJOBS["HEALTH_THRESHOLDS"] may set (a test keeps
+# The thresholds of findings.Thresholds that PGJOBS["HEALTH_THRESHOLDS"] may set (a test keeps
 # the two in step): seconds, but ``slot_age`` counts transactions.
 HEALTH_THRESHOLDS = ("idle", "transaction", "lag", "slot_age", "naptimes")
 # The shortest PGJOBS["MONITORING_TOKEN"]: a bearer token is a password sent on every scrape.

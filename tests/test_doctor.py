@@ -36,7 +36,7 @@ import pytest
 from psycopg import sql as pgsql
 
 from django_pgjobs.core import claim, control, upkeep
-from django_pgjobs.ops.doctor import Thresholds
+from django_pgjobs.ops.findings import Thresholds
 from scripts.pgserver import ThrowawayPostgres
 from tests.helpers import NOOP, PLAIN_COLUMNS, TIME_COLUMNS, wait_until, worker_record
 from tests.workers import Workers, ran

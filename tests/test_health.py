@@ -24,7 +24,7 @@ from django.db import connection
 from django_pgjobs import checks, signals, validation
 from django_pgjobs.models import Job
 from django_pgjobs.ops import doctor
-from django_pgjobs.ops.doctor import Finding
+from django_pgjobs.ops.findings import Finding, Thresholds
 from django_pgjobs.ops.watch import Watch
 from tests.helpers import (
     http_get,
@@ -145,7 +145,7 @@ def test_health_never_quotes_another_sessions_sql(
     with raw_connect() as idle:
         idle.execute("BEGIN")
         idle.execute("SELECT 'secret-customer@example.com'")
-        limits = doctor.Thresholds.from_settings()
+        limits = Thresholds.from_settings()
         wait_until(
             lambda: any("idle in transaction" in p for p in doctor.diagnose(None, limits).problems),
             message="the session to be seen idle in transaction",
@@ -187,7 +187,7 @@ def test_health_is_refused_without_credentials(live_server: Any, settings: Any) 
 
 
 def test_the_thresholds_a_setting_may_name_are_the_doctors() -> None:
-    assert validation.HEALTH_THRESHOLDS == tuple(f.name for f in fields(doctor.Thresholds))
+    assert validation.HEALTH_THRESHOLDS == tuple(f.name for f in fields(Thresholds))
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,7 @@ def test_good_monitoring_settings_pass_the_checks(settings: Any) -> None:
         "MONITORING_TOKEN": TOKEN,
     }
     assert checks.check_settings() == []
-    assert doctor.Thresholds.from_settings() == doctor.Thresholds(lag=60, slot_age=1000, idle=2.5)
+    assert Thresholds.from_settings() == Thresholds(lag=60, slot_age=1000, idle=2.5)
 
 
 # -- alarms: watch.Watch and jobsdoctor --watch --------------------------------------------

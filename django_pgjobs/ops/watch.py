@@ -10,7 +10,8 @@ from django.core.mail import mail_admins
 from django.db import DatabaseError, connections
 
 from django_pgjobs import conf, signals
-from django_pgjobs.ops.doctor import Finding, Report, Thresholds, diagnose
+from django_pgjobs.ops.doctor import diagnose
+from django_pgjobs.ops.findings import Finding, Report, Thresholds
 
 logger = logging.getLogger("django_pgjobs.doctor")
 

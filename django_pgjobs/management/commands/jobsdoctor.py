@@ -18,7 +18,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from django_pgjobs.core.types import last_line
-from django_pgjobs.ops import dashboard, doctor
+from django_pgjobs.ops import dashboard, doctor, findings
 from django_pgjobs.ops.watch import Watch
 
 
@@ -96,7 +96,7 @@ class Command(BaseCommand):
                 option = "--" + name.replace("_", "-") + "-threshold"
                 raise CommandError(f"{option} must be 0 or more (got {value}).")
             given[name] = value
-        limits = replace(doctor.Thresholds.from_settings(), **given)
+        limits = replace(findings.Thresholds.from_settings(), **given)
         if options["watch"] is not None:
             self._watch(limits, options)
             return
@@ -110,7 +110,7 @@ class Command(BaseCommand):
         if not report.healthy:
             sys.exit(1)
 
-    def _watch(self, limits: doctor.Thresholds, options: dict[str, Any]) -> None:
+    def _watch(self, limits: findings.Thresholds, options: dict[str, Any]) -> None:
         interval, count = options["watch"], options["count"]
         if not interval > 0:  # NaN too
             raise CommandError(f"--watch must be a number of seconds above 0 (got {interval}).")
@@ -122,7 +122,7 @@ class Command(BaseCommand):
         watcher = Watch(options["database"], limits, mail=options["mail_admins"])
         watcher.run(interval, count=count, stop=stop, report=self._print_tick)
 
-    def _print_tick(self, findings: list[doctor.Finding]) -> None:
+    def _print_tick(self, findings: list[findings.Finding]) -> None:
         outages = [finding for finding in findings if finding.outage]
         warnings = len(findings) - len(outages)
         state = f"UNHEALTHY: {len(outages)} outage(s)" if outages else "healthy"
@@ -131,7 +131,7 @@ class Command(BaseCommand):
             self.stdout.write(f"  OUTAGE: {finding.problem}")
         self.stdout.flush()
 
-    def _print(self, report: doctor.Report) -> None:
+    def _print(self, report: findings.Report) -> None:
         write = self.stdout.write
         write("Queues:")
         for q in report.queues:
@@ -218,5 +218,5 @@ class Command(BaseCommand):
             write(f"PROBLEM: {problem}")
 
 
-def _plain(report: doctor.Report) -> dict[str, Any]:
+def _plain(report: findings.Report) -> dict[str, Any]:
     return {**asdict(report), "healthy": report.healthy}
