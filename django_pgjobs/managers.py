@@ -29,6 +29,8 @@ from django.utils import timezone
 
 from django_pgjobs import conf, registry, signals, validation
 from django_pgjobs.core import claim, control, enqueue, execute, finish, types, upkeep
+from django_pgjobs.core.options import JobOptions, unique_keys
+from django_pgjobs.core.options import keys as lock_keys
 from django_pgjobs.core.types import (
     ERROR_LIMIT,
     Claim,
@@ -213,42 +215,6 @@ class _Plan:
         """After a job was written: register the hook, unless the INSERT notified itself."""
         if not self.here:
             notify_on_commit(alias, self.fields["queue"])
-
-
-def _keys(
-    func: registry.JobFunction[..., Any],
-    payloads: Sequence[Any],
-    given: str | Callable[[dict[str, Any]], str | None] | None,
-    option: str,
-) -> list[str | None] | None:
-    """Each payload's ``option`` key (unique or lock): the one given, else the ``@job``'s
-    callable's; ``None`` when no payload has one."""
-    source = given if given is not None else getattr(func, option)
-    if source is None:
-        return None
-    if not callable(source):
-        return [validation.unique_key(source, option)] * len(payloads)
-    keys = []
-    for payload in payloads:
-        key = source(payload)
-        keys.append(None if key is None else validation.unique_key(key, f"{option} of {func.name}"))
-    return keys if any(key is not None for key in keys) else None
-
-
-def _unique_keys(
-    func: registry.JobFunction[..., Any],
-    payloads: Sequence[Any],
-    unique_key: str | Callable[[dict[str, Any]], str | None] | None,
-    unique_while: str | None,
-) -> list[str | None] | None:
-    """Each payload's unique key: the one given, else the ``@job``'s callable's."""
-    if unique_key is None and func.unique_key is None and unique_while is not None:
-        raise InvalidJobOptions(
-            f"unique_while {validation.show(unique_while)} for task {func.name!r} without "
-            "a unique key: pass unique_key= (or give @job a unique_key callable), or leave "
-            "unique_while out."
-        )
-    return _keys(func, payloads, unique_key, "unique_key")
 
 
 def _busy(fields: Mapping[str, Any], keys: list[str]) -> UniqueKeyBusy:
@@ -521,24 +487,19 @@ class JobManager(models.Manager["Job"]):
     ) -> _Plan:
         """Check every option and payload (nothing is sent before) and shape the INSERT."""
         func = registry.resolve(task)
-        if max_attempts is None:
-            max_attempts = func.max_attempts or conf.max_attempts()
-        fields: dict[str, Any] = {
-            "task": func.name,
-            # `is None`, not `or`: an empty (or otherwise bad) queue name is an error, not a
-            # request for the default queue.
-            "queue": validation.queue_name(
-                queue if queue is not None else func.queue or conf.default_queue()
-            ),
-            "priority": validation.priority(func.priority if priority is None else priority),
-            "max_attempts": validation.max_attempts(max_attempts),
-            "timeout": func.timeout if timeout is None else validation.timeout(timeout),
-        }
+        options = JobOptions.resolve(
+            func,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            timeout=timeout,
+            unique_while=unique_while,
+        )
+        fields = options.columns()
         when, wait = validation.schedule(run_at, delay)
         checked = [validation.checked_payload(p) for p in payloads]
-        keys = _unique_keys(func, payloads, unique_key, unique_while)
-        locks = _keys(func, payloads, lock_key, "lock_key")
-        mode = validation.unique_while(func.unique_while if unique_while is None else unique_while)
+        keys = unique_keys(func, payloads, unique_key, unique_while)
+        locks = lock_keys(func, payloads, lock_key, "lock_key")
         connection = self.connection()
         # Outside atomic() the INSERT sends its own NOTIFY: in autocommit it is the whole
         # transaction ("auto"); under manual transaction management (set_autocommit(False))
@@ -551,7 +512,7 @@ class JobManager(models.Manager["Job"]):
             "run_at": when,
             "delay": wait,
             "notify_channel": conf.channel() if here else None,
-            "unique_while": mode if keys else None,
+            "unique_while": options.unique_while if keys else None,
         }
         return _Plan(connection, fields, params, checked, keys, locks, here, not func.stores_result)
 

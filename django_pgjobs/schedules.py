@@ -28,6 +28,7 @@ from django.utils.module_loading import import_string
 
 from django_pgjobs import conf, registry, validation
 from django_pgjobs.core import execute
+from django_pgjobs.core.options import JobOptions
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
 from django_pgjobs.registry import JobFunction
 
@@ -492,15 +493,12 @@ def enqueue_tick(connection: execute.Connection, schedule: Schedule, tick: datet
     (another worker enqueued it) or the schedule's spec changed (the row is reset to it).
     """
     func = registry.get(schedule.task)
+    options = JobOptions.resolve(func, queue=schedule.queue or None, priority=schedule.priority)
     params = {
         "name": schedule.name,
         "spec": schedule.spec,
         "tick": tick,
-        "task": func.name,
-        "queue": schedule.queue or func.queue or conf.default_queue(),
-        "priority": func.priority if schedule.priority is None else schedule.priority,
-        "max_attempts": func.max_attempts or conf.max_attempts(),
-        "timeout": func.timeout,
+        **options.columns(),
         "payload": validation.payload(schedule.payload()),
         "notify_channel": conf.channel(),
     }

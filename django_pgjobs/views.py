@@ -24,8 +24,6 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_safe
 
 from django_pgjobs import conf
-from django_pgjobs.ops import watch
-from django_pgjobs.ops.findings import Thresholds
 
 REALM = "django-pgjobs"
 
@@ -87,6 +85,8 @@ def health(request: HttpRequest) -> HttpResponse:
         return refused
     # Imported here: a project's urls import this module, which must not need the models
     # (their app may not be installed: its system check says so, and must get to run).
+    from django_pgjobs.ops import watch
+    from django_pgjobs.ops.findings import Thresholds
 
     report, findings = watch.examine(thresholds=Thresholds.from_settings(), queries=False)
     problems = [finding for finding in findings if finding.outage]
