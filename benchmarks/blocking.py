@@ -30,8 +30,8 @@ import psycopg  # noqa: E402
 
 from benchmarks.claimers import drain  # noqa: E402
 from benchmarks.db import TASK, Admin  # noqa: E402
-from django_pgjobs import conf, registry  # noqa: E402
-from django_pgjobs.core import claim, execute  # noqa: E402
+from django_pgjobs import registry  # noqa: E402
+from django_pgjobs.core import claim, conf, execute  # noqa: E402
 from django_pgjobs.models import Job  # noqa: E402
 
 STATEMENT = """CASE WHEN {0}.query LIKE '%jsonb_to_recordset%' THEN 'complete'

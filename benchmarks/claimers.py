@@ -29,8 +29,8 @@ from typing import Any
 import psycopg
 
 from benchmarks.db import BenchAbort
-from django_pgjobs import conf, registry
-from django_pgjobs.connections import connection_params
+from django_pgjobs.core import conf, registry
+from django_pgjobs.core.connections import connection_params
 from django_pgjobs.core.types import default_worker_id
 from django_pgjobs.worker.store import Store
 

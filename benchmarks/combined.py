@@ -37,8 +37,8 @@ django.setup()
 
 import psycopg  # noqa: E402
 
-from django_pgjobs.connections import connection_params  # noqa: E402
 from django_pgjobs.core import claim, finish  # noqa: E402
+from django_pgjobs.core.connections import connection_params  # noqa: E402
 
 TASK = "testproject.testjobs.noop"
 TICK = os.sysconf("SC_CLK_TCK")

@@ -27,8 +27,7 @@ from benchmarks.db import TASK, Admin, BenchAbort, pgbench_figures, pgbench_para
 from benchmarks.jobs import doze, nap, stamp
 from benchmarks.proc import ServerCpu, rss_bytes
 from benchmarks.sizes import Sizes
-from django_pgjobs import conf, registry
-from django_pgjobs.core import claim, execute, finish
+from django_pgjobs.core import claim, conf, execute, finish, registry
 from django_pgjobs.models import Job
 from django_pgjobs.ops import dashboard
 
@@ -648,7 +647,7 @@ class Bench:
         rows; each scrape's ready count is checked against what was inserted."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        from django_pgjobs import metrics
+        from django_pgjobs.ops import metrics
 
         admin, alias = (self.scrape_table, "scrape") if finished else (self.admin, "default")
         floor = self.scrape_floor if finished else 0

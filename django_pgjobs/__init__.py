@@ -7,10 +7,10 @@ attempt. Models live in ``django_pgjobs.models`` (import them
 only once Django is set up).
 """
 
-from django_pgjobs.context import JobContext, current_job
+from django_pgjobs.core.context import JobContext, current_job
+from django_pgjobs.core.registry import JobFunction, job
+from django_pgjobs.core.schedules import periodic
 from django_pgjobs.exceptions import Snooze
-from django_pgjobs.registry import JobFunction, job
-from django_pgjobs.schedules import periodic
 
 __version__ = "0.1.0"
 

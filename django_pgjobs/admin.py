@@ -38,8 +38,7 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from django_pgjobs import registry, validation
-from django_pgjobs.core import execute
+from django_pgjobs.core import execute, registry, validation
 from django_pgjobs.core.types import last_line
 from django_pgjobs.exceptions import InvalidJobOptions, WorkerCrashed
 from django_pgjobs.models import FailedJob, Job, QueueDashboard, ScheduleState, Status

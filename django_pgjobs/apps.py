@@ -12,7 +12,7 @@ class PgJobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_pgjobs import checks, conf
+        from django_pgjobs.core import checks, conf
 
         checks.register()
         # Job functions register themselves when their module is imported: every app's

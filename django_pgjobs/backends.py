@@ -28,11 +28,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from django_pgjobs import conf, registry, validation
-from django_pgjobs.context import JobContext, current_job
+from django_pgjobs.core import conf, registry, validation
+from django_pgjobs.core.context import JobContext, current_job
+from django_pgjobs.core.registry import JobFunction
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, Snooze, UnknownTask
 from django_pgjobs.managers import Failure
-from django_pgjobs.registry import JobFunction
 
 try:  # Django 6.0+
     from django.tasks import TaskContext, TaskResult, TaskResultStatus, task_backends

@@ -27,8 +27,19 @@ from django.db.models.signals import post_init, pre_init
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_pgjobs import conf, registry, signals, validation
-from django_pgjobs.core import claim, control, enqueue, execute, finish, types, upkeep
+from django_pgjobs import signals
+from django_pgjobs.core import (
+    claim,
+    conf,
+    control,
+    enqueue,
+    execute,
+    finish,
+    registry,
+    types,
+    upkeep,
+    validation,
+)
 from django_pgjobs.core.options import JobOptions, unique_keys
 from django_pgjobs.core.options import keys as lock_keys
 from django_pgjobs.core.types import (

@@ -41,9 +41,9 @@ from django.db.models import F, Q
 from django.db.models.functions import Length
 from django.db.models.lookups import LessThanOrEqual
 
+from django_pgjobs.core.validation import QUEUE_NAME_CHAR, QUEUE_NAME_MAX
 from django_pgjobs.fields import PgArray
 from django_pgjobs.managers import JobManager
-from django_pgjobs.validation import QUEUE_NAME_CHAR, QUEUE_NAME_MAX
 
 
 class Status(models.TextChoices):

@@ -36,9 +36,8 @@ import psycopg
 from django.db import DatabaseError, connections, transaction
 from psycopg.sql import SQL, Composed, Identifier
 
-from django_pgjobs import conf
-from django_pgjobs.connections import connection_params
-from django_pgjobs.core import execute
+from django_pgjobs.core import conf, execute
+from django_pgjobs.core.connections import connection_params
 from django_pgjobs.core.types import reason
 
 if TYPE_CHECKING:

@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_pgjobs import conf, registry, validation
-from django_pgjobs.core import claim, execute
+from django_pgjobs.core import claim, conf, execute, registry, validation
 from django_pgjobs.core.types import Action, ClaimedJob, Failure, Outcome
 from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
 from django_pgjobs.models import Job

@@ -23,7 +23,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_safe
 
-from django_pgjobs import conf
+from django_pgjobs.core import conf
 
 REALM = "django-pgjobs"
 
@@ -59,12 +59,12 @@ def refusal(request: HttpRequest) -> HttpResponse | None:
 @never_cache
 @require_safe
 def metrics(request: HttpRequest) -> HttpResponse:
-    """The queue-level gauges (``django_pgjobs.metrics``) in Prometheus' text format, or in
+    """The queue-level gauges (``django_pgjobs.ops.metrics``) in Prometheus' text format, or in
     OpenMetrics when the scraper's ``Accept`` asks for it."""
     refused = refusal(request)
     if refused is not None:
         return refused
-    from django_pgjobs import metrics as queue_metrics  # the optional prometheus extra
+    from django_pgjobs.ops import metrics as queue_metrics  # the optional prometheus extra
 
     body, content_type = queue_metrics.scrape(accept=request.headers.get("Accept", ""))
     return HttpResponse(body, content_type=content_type)

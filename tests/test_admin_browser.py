@@ -27,7 +27,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import connection, connections
 
-from django_pgjobs import schedules
+from django_pgjobs.core import schedules
 from tests.helpers import db_now, job_row, make_job, make_jobs, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

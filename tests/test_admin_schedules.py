@@ -12,8 +12,8 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from django_pgjobs import schedules
-from django_pgjobs.schedules import Schedule
+from django_pgjobs.core import schedules
+from django_pgjobs.core.schedules import Schedule
 from tests.helpers import db_now
 from tests.test_admin import APP_INDEX, LOGIN, client_for, job_url, make_user, table, text
 

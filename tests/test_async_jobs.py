@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_pgjobs import job, registry
+from django_pgjobs import job
+from django_pgjobs.core import registry
 from django_pgjobs.models import Job
 from django_pgjobs.worker.worker import Worker
 from testproject.shop.tasks import double

@@ -16,7 +16,8 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_pgjobs import job, validation
+from django_pgjobs import job
+from django_pgjobs.core import validation
 from django_pgjobs.exceptions import (
     InvalidJobOptions,
     InvalidPayload,

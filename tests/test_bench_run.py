@@ -17,7 +17,7 @@ from benchmarks.db import BenchAbort
 from benchmarks.peers import LOCKS, NAMES, SPECS, _check_locked, canonical, pins
 from benchmarks.report import Row, build_targets
 from benchmarks.run import SECTIONS, parse_args, requested_peers
-from django_pgjobs.connections import connection_params
+from django_pgjobs.core.connections import connection_params
 from django_pgjobs.models import Job
 from testproject.testjobs import noop
 from tests.helpers import status_counts

@@ -14,7 +14,7 @@ from django.db import connection
 from django.db.utils import load_backend
 from django.test import override_settings
 
-from django_pgjobs import checks, conf, validation
+from django_pgjobs.core import checks, conf, validation
 
 VALID: dict[str, Any] = {
     "DATABASE": "default",

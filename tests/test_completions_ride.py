@@ -17,8 +17,7 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 
-from django_pgjobs import conf
-from django_pgjobs.core import finish
+from django_pgjobs.core import conf, finish
 from django_pgjobs.core.types import Action, ClaimedJob
 from django_pgjobs.models import Job
 from django_pgjobs.worker import completer as completer_module

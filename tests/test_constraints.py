@@ -13,7 +13,7 @@ import pytest
 from django.db import IntegrityError, transaction
 from django.test import TestCase
 
-from django_pgjobs import validation
+from django_pgjobs.core import validation
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job
 from tests.helpers import make_job, query, scalar

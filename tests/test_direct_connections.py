@@ -15,8 +15,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from psycopg import sql as pgsql
 
-from django_pgjobs.connections import DirectConnections
 from django_pgjobs.core import execute
+from django_pgjobs.core.connections import DirectConnections
 from django_pgjobs.core.types import ClaimedJob
 from django_pgjobs.models import Job
 from django_pgjobs.worker.store import Store

@@ -21,7 +21,8 @@ from django.test import Client, TestCase, TransactionTestCase, override_settings
 from django.test.utils import isolate_apps
 from django.utils import timezone
 
-from django_pgjobs import job, registry
+from django_pgjobs import job
+from django_pgjobs.core import registry
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
 from django_pgjobs.managers import _columns
 from django_pgjobs.models import Job

@@ -21,7 +21,8 @@ from django.core import mail
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from django_pgjobs import checks, signals, validation
+from django_pgjobs import signals
+from django_pgjobs.core import checks, validation
 from django_pgjobs.models import Job
 from django_pgjobs.ops import doctor
 from django_pgjobs.ops.findings import Finding, Thresholds

@@ -18,10 +18,11 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from django_pgjobs import checks, current_job, job, periodic, schedules
-from django_pgjobs.connections import connection_params
+from django_pgjobs import current_job, job, periodic
+from django_pgjobs.core import checks, schedules
+from django_pgjobs.core.connections import connection_params
+from django_pgjobs.core.schedules import Schedule, ticks
 from django_pgjobs.models import ArchivedJob, Job
-from django_pgjobs.schedules import Schedule, ticks
 from django_pgjobs.worker import Worker
 from tests.helpers import db_now
 from tests.workers import query, scalar

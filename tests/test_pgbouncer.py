@@ -32,7 +32,8 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
-from django_pgjobs import conf, notify
+from django_pgjobs import notify
+from django_pgjobs.core import conf
 from tests.helpers import PATIENCE, raw_connect, wait_until
 from tests.workers import LISTENER_APP, Process, Workers, listener_backends, query, ran, scalar
 

@@ -22,8 +22,7 @@ import pytest
 from django.db import connection, transaction
 
 import django_pgjobs
-from django_pgjobs import conf
-from django_pgjobs.core import claim, finish, upkeep
+from django_pgjobs.core import claim, conf, finish, upkeep
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job, QueueState
 from django_pgjobs.notify import notifier

@@ -164,7 +164,7 @@ def test_only_safe_methods_are_served(live_server: Any, token: str) -> None:
 def test_without_prometheus_client_the_error_names_the_extra() -> None:
     code = (
         "import sys; sys.modules['prometheus_client'] = None; import django; django.setup(); "
-        "import django_pgjobs.metrics"
+        "import django_pgjobs.ops.metrics"
     )
     result = subprocess.run(
         [sys.executable, "-c", code],

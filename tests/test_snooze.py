@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 
 from django_pgjobs import Snooze, current_job
-from django_pgjobs.context import JobContext, reset_current_job, set_current_job
+from django_pgjobs.core.context import JobContext, reset_current_job, set_current_job
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.models import Job
 from testproject.shop.models import Order

@@ -29,9 +29,9 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_pgjobs import Snooze, current_job, registry
+from django_pgjobs import Snooze, current_job
 from django_pgjobs.backends import InvalidTaskArguments, PgJobsBackend
-from django_pgjobs.core import claim
+from django_pgjobs.core import claim, registry
 from django_pgjobs.exceptions import InvalidPayload
 from django_pgjobs.models import Job
 from django_pgjobs.worker import Worker

@@ -11,7 +11,8 @@ import pytest
 from django.db import connection, transaction
 from django.test import TestCase, TransactionTestCase
 
-from django_pgjobs import conf, testing
+from django_pgjobs import testing
+from django_pgjobs.core import conf
 from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
 from django_pgjobs.models import Job
 from django_pgjobs.pytest_plugin import pgjobs  # noqa: F401 - the plugin's fixture, loaded or not

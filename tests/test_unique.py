@@ -16,8 +16,8 @@ from django.db import OperationalError, connection, transaction
 from django.test import TestCase, TransactionTestCase
 from psycopg.errors import SerializationFailure
 
-from django_pgjobs import conf, job
-from django_pgjobs.core import finish
+from django_pgjobs import job
+from django_pgjobs.core import conf, finish
 from django_pgjobs.core.types import FailedAttempt, Failure
 from django_pgjobs.exceptions import UniqueKeyBusy
 from django_pgjobs.managers import UNIQUE_TRIES, Enqueued

@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from django_pgjobs import conf, validation
+from django_pgjobs.core import conf, validation
 from django_pgjobs.core.fragments import (
     FENCE,
     KEY_HOLDERS,

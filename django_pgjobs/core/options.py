@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django_pgjobs import conf, validation
+from django_pgjobs.core import conf, validation
+from django_pgjobs.core.registry import JobFunction
 from django_pgjobs.exceptions import InvalidJobOptions
-from django_pgjobs.registry import JobFunction
 
 # A key given to an enqueue: one for every payload, or a callable that gives each payload's.
 KeySource = str | Callable[[dict[str, Any]], str | None] | None

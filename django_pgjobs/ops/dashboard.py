@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 
-from django_pgjobs import conf
+from django_pgjobs.core import conf
 from django_pgjobs.core.fragments import READY
 from django_pgjobs.models import QueueState
 

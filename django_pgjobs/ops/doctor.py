@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 
-from django_pgjobs import conf, schedules
+from django_pgjobs.core import conf, schedules
 from django_pgjobs.core.execute import records, run
 from django_pgjobs.ops.dashboard import (
     live_workers,

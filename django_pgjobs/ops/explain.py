@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 
-from django_pgjobs import conf
+from django_pgjobs.core import conf
 from django_pgjobs.core.execute import records
 from django_pgjobs.core.fragments import (
     CLAIM_ORDER,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from django_pgjobs import conf
+from django_pgjobs.core import conf
 from django_pgjobs.ops.dashboard import (
     QueueHealth,
 )

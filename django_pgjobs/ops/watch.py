@@ -9,7 +9,8 @@ from collections.abc import Callable
 from django.core.mail import mail_admins
 from django.db import DatabaseError, connections
 
-from django_pgjobs import conf, signals
+from django_pgjobs import signals
+from django_pgjobs.core import conf
 from django_pgjobs.ops.doctor import diagnose
 from django_pgjobs.ops.findings import Finding, Report, Thresholds
 

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
-from django_pgjobs.context import JobContext
 from django_pgjobs.core import finish
+from django_pgjobs.core.context import JobContext
 from django_pgjobs.core.finish import word_not_sent
 from django_pgjobs.core.types import Action, ClaimedJob, Outcome
 from django_pgjobs.worker.db import ReconnectBackoff, unavailable

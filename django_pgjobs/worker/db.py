@@ -14,7 +14,7 @@ from django.db import DatabaseError, InterfaceError, connections
 from django.db.backends.signals import connection_created
 from django.dispatch import receiver
 
-from django_pgjobs.connections import connection_params
+from django_pgjobs.core.connections import connection_params
 from django_pgjobs.core.types import reason
 
 if TYPE_CHECKING:

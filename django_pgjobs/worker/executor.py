@@ -22,11 +22,12 @@ import psycopg
 from asgiref.sync import async_to_sync, sync_to_async
 from django.db import connections, transaction
 
-from django_pgjobs import registry, signals, validation
-from django_pgjobs.context import JobContext, reset_current_job, set_current_job
+from django_pgjobs import signals
+from django_pgjobs.core import registry, validation
+from django_pgjobs.core.context import JobContext, reset_current_job, set_current_job
+from django_pgjobs.core.registry import JobFunction
 from django_pgjobs.core.types import Action, ClaimedJob, Failure, Outcome
 from django_pgjobs.exceptions import InvalidPayload, JobTimeout, Snooze, UnknownTask
-from django_pgjobs.registry import JobFunction
 from django_pgjobs.worker.db import (
     async_database_away,
     async_replaced,

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import psycopg
 from django.db import DatabaseError
 
-from django_pgjobs.context import JobContext
 from django_pgjobs.core import execute
+from django_pgjobs.core.context import JobContext
 from django_pgjobs.core.types import Action, ClaimedJob, Outcome
 from django_pgjobs.exceptions import InvalidResult
 from django_pgjobs.worker.completer import Completer

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from django_pgjobs.core.validation import show
 from django_pgjobs.exceptions import InvalidJobOptions, MetricsUnavailable
-from django_pgjobs.validation import show
 
 logger = logging.getLogger("django_pgjobs.worker")
 

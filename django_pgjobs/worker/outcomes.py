@@ -14,7 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from django_pgjobs import registry, signals
+from django_pgjobs import signals
+from django_pgjobs.core import registry
 from django_pgjobs.core.types import Action, Outcome, last_line
 from django_pgjobs.exceptions import UnknownTask
 

@@ -23,9 +23,9 @@ from datetime import datetime
 import psycopg
 from django.db import DatabaseError
 
-from django_pgjobs import schedules
+from django_pgjobs.core import schedules
+from django_pgjobs.core.schedules import Schedule
 from django_pgjobs.core.types import clean_error
-from django_pgjobs.schedules import Schedule
 from django_pgjobs.worker.db import unavailable
 from django_pgjobs.worker.store import Store
 

@@ -15,10 +15,9 @@ from typing import Any
 
 from django.db import connections
 
-from django_pgjobs import conf, schedules
-from django_pgjobs.connections import DirectConnections
-from django_pgjobs.core import claim, execute, finish, upkeep
+from django_pgjobs.core import claim, conf, execute, finish, schedules, upkeep
 from django_pgjobs.core.claim import Outlook
+from django_pgjobs.core.connections import DirectConnections
 from django_pgjobs.core.types import Claim, ClaimedJob, FailedAttempt, Reaped
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from django_pgjobs import validation
+from django_pgjobs.core import validation
 from django_pgjobs.worker.worker import EXIT_STUCK
 
 logger = logging.getLogger(__name__)

@@ -30,9 +30,8 @@ import psycopg
 from django.db import DatabaseError, connections
 
 import django_pgjobs
-from django_pgjobs import conf, registry, schedules, validation
-from django_pgjobs.connections import connection_params
-from django_pgjobs.core import execute, finish, upkeep
+from django_pgjobs.core import conf, execute, finish, registry, schedules, upkeep, validation
+from django_pgjobs.core.connections import connection_params
 from django_pgjobs.core.types import default_worker_id
 from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.notify import Listener

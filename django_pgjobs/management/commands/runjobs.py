@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from django_pgjobs import conf, validation
+from django_pgjobs.core import conf, validation
 from django_pgjobs.exceptions import InvalidJobOptions, MetricsUnavailable
 from django_pgjobs.worker import Worker
 from django_pgjobs.worker.supervisor import Supervisor, child_command

@@ -17,7 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.core.signals import setting_changed
 
-from django_pgjobs import validation
+from django_pgjobs.core import validation
 
 DEFAULTS: dict[str, Any] = {
     # The database alias the queue lives in.
@@ -126,7 +126,7 @@ def _forget_validated(*, setting: str, **kwargs: Any) -> None:
         _validated = {}
 
 
-setting_changed.connect(_forget_validated, dispatch_uid="django_pgjobs.conf")
+setting_changed.connect(_forget_validated, dispatch_uid="django_pgjobs.core.conf")
 
 
 def database() -> str:

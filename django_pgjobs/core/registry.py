@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
-from django_pgjobs import validation
+from django_pgjobs.core import validation
 from django_pgjobs.exceptions import InvalidJobOptions, UnknownTask
 
 if TYPE_CHECKING:

@@ -26,11 +26,10 @@ from cronsim import CronSim, CronSimError
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from django_pgjobs import conf, registry, validation
-from django_pgjobs.core import execute
+from django_pgjobs.core import conf, execute, registry, validation
 from django_pgjobs.core.options import JobOptions
+from django_pgjobs.core.registry import JobFunction
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
-from django_pgjobs.registry import JobFunction
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString

@@ -14,7 +14,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db.utils import load_backend
 
-from django_pgjobs import conf, validation
+from django_pgjobs.core import conf, validation
 from django_pgjobs.exceptions import InvalidJobOptions
 
 
@@ -146,7 +146,7 @@ def check_engine(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
 
 def check_schedules(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
     """Every periodic schedule (``@periodic`` and ``PGJOBS["SCHEDULE"]``): ids pgjobs.E030+."""
-    from django_pgjobs import schedules
+    from django_pgjobs.core import schedules
 
     errors: list[Any] = []
     setting = conf.schedule()
