@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+__all__ = [
+    "InvalidJobOptions",
+    "InvalidPayload",
+    "InvalidResult",
+    "JobTimeout",
+    "LeaseExpired",
+    "MetricsUnavailable",
+    "NotPostgreSQL",
+    "PgJobsError",
+    "Snooze",
+    "UniqueKeyBusy",
+    "UnknownTask",
+    "WorkerCrashed",
+]
+
 
 class PgJobsError(Exception):
     """Base class of every error django-pgjobs raises."""

@@ -14,6 +14,8 @@ from typing import Any
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+__all__ = ["PgArray"]
+
 
 class PgArray(models.Field):  # type: ignore[type-arg]
     """A column of type ``<base>[]``, read and written as a Python list."""

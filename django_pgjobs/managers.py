@@ -43,7 +43,6 @@ from django_pgjobs.core import (
 from django_pgjobs.core.options import JobOptions, unique_keys
 from django_pgjobs.core.options import keys as lock_keys
 from django_pgjobs.core.types import (
-    ERROR_LIMIT,
     Claim,
     ClaimedJob,
     FailedAttempt,
@@ -62,7 +61,6 @@ if TYPE_CHECKING:
     from django_pgjobs.models import Job
 
 __all__ = [
-    "ERROR_LIMIT",
     "ClaimedJob",
     "Enqueued",
     "Failure",

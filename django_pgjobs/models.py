@@ -45,6 +45,18 @@ from django_pgjobs.core.validation import QUEUE_NAME_CHAR, QUEUE_NAME_MAX
 from django_pgjobs.fields import PgArray
 from django_pgjobs.managers import JobManager
 
+__all__ = [
+    "ArchivedJob",
+    "FailedJob",
+    "Job",
+    "QueueDashboard",
+    "QueueState",
+    "ScheduleState",
+    "Status",
+    "UniqueWhile",
+    "WorkerRecord",
+]
+
 
 class Status(models.TextChoices):
     QUEUED = "queued"

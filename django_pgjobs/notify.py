@@ -43,6 +43,8 @@ from django_pgjobs.core.types import reason
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
 
+__all__ = ["notifier"]
+
 # A hint, never the job: listeners re-run the claim. Sent after the enqueue's commit, once per
 # queue, in one statement for every queue that has news. Its own transaction need not wait
 # for the WAL flush (a crash drops every listener anyway), so it never adds an fsync.

@@ -15,6 +15,8 @@ import pytest
 if TYPE_CHECKING:
     from django_pgjobs.testing import PgJobs
 
+__all__ = ["pgjobs"]
+
 
 @pytest.fixture
 def pgjobs(db: None) -> PgJobs:

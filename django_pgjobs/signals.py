@@ -22,6 +22,8 @@ from typing import Any
 
 from django.dispatch import Signal
 
+__all__ = ["OUTCOMES", "job_enqueued", "job_finished", "job_started", "queue_unhealthy"]
+
 logger = logging.getLogger("django_pgjobs.signals")
 
 # How an attempt ended, as ``job_finished`` says it: "snoozed" is an attempt that raised

@@ -25,6 +25,8 @@ from django.views.decorators.http import require_safe
 
 from django_pgjobs.core import conf
 
+__all__ = ["health", "metrics"]
+
 REALM = "django-pgjobs"
 
 

@@ -14,8 +14,9 @@ from django.db import transaction
 from django.db.transaction import TransactionManagementError
 from django.test import TestCase, TransactionTestCase, override_settings
 
+from django_pgjobs.core.types import ERROR_LIMIT
 from django_pgjobs.exceptions import InvalidJobOptions
-from django_pgjobs.managers import ERROR_LIMIT, ClaimedJob, Reaped
+from django_pgjobs.managers import ClaimedJob, Reaped
 from django_pgjobs.models import ArchivedJob, Job
 from tests.helpers import (
     PATIENCE,

@@ -44,6 +44,8 @@ from django_pgjobs.models import Job, Status
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
 
+__all__ = ["Reason", "explain"]
+
 # One statement reads everything the explanation needs, in one snapshot, so its reasons cannot
 # contradict each other: the job, its queue's row, and what the claim would check about it.
 # Each part reads a partial index or a primary key (the queue's running jobs, the running

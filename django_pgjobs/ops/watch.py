@@ -14,6 +14,8 @@ from django_pgjobs.core import conf
 from django_pgjobs.ops.doctor import diagnose
 from django_pgjobs.ops.findings import Finding, Report, Thresholds
 
+__all__ = ["Watch", "examine"]
+
 logger = logging.getLogger("django_pgjobs.doctor")
 
 
