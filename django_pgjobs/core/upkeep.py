@@ -67,8 +67,9 @@ RETURNING j.id, j.status, j.attempts
 )
 
 
-# One batch of finished jobs, oldest first. Only 'done', 'failed' and 'cancelled' can match.
-PRUNE: LiteralString = """
+# One batch of finished jobs, oldest first, locked. Only 'done', 'failed' and 'cancelled' can
+# match.
+_DOOMED: LiteralString = """
 WITH doomed AS (
   SELECT id FROM pgjobs_job
   WHERE status = ANY(%(statuses)s::text[]) AND status IN ('done', 'failed', 'cancelled')
@@ -76,24 +77,23 @@ WITH doomed AS (
   ORDER BY id
   LIMIT %(limit)s
   FOR UPDATE SKIP LOCKED
-)
+)"""
+
+PRUNE: LiteralString = (
+    _DOOMED
+    + """
 DELETE FROM pgjobs_job j
 USING doomed
 WHERE j.id = doomed.id
 """
+)
 
 
 # The same batch moved, not copied: delete and insert are one statement, so a crash between
 # them cannot lose a row or keep it twice.
-PRUNE_ARCHIVE: LiteralString = """
-WITH doomed AS (
-  SELECT id FROM pgjobs_job
-  WHERE status = ANY(%(statuses)s::text[]) AND status IN ('done', 'failed', 'cancelled')
-    AND coalesce(finished_at, created_at) < now() - %(older_than)s::interval
-  ORDER BY id
-  LIMIT %(limit)s
-  FOR UPDATE SKIP LOCKED
-), moved AS (
+PRUNE_ARCHIVE: LiteralString = (
+    _DOOMED
+    + """, moved AS (
   DELETE FROM pgjobs_job j
   USING doomed
   WHERE j.id = doomed.id
@@ -111,6 +111,7 @@ INSERT INTO pgjobs_job_archive (id, queue, task, payload, status, priority, run_
                                 lock_key)
 SELECT * FROM moved
 """
+)
 
 
 # -- the registry of live workers (pgjobs_worker). A worker writes its row at its start and on
