@@ -1,23 +1,23 @@
 """The only reader of settings.
 
-Everything lives in one dict, ``settings.PGJOBS``; each key has a default and is read on
-access. Each key has one validator (``validation.SETTINGS``): the typed readers below apply
-it, so a bad value raises ``InvalidJobOptions`` naming the setting wherever it is used, and
-``checks.py`` applies the same validators at start-up. A value that passed is kept until
-Django's ``setting_changed`` signal reports a change of ``PGJOBS`` (``override_settings`` and
-pytest-django's ``settings`` send it), so an enqueue does not validate the same settings
-again on every call. The reference page ``docs/reference/settings.md`` documents each one.
+Everything lives in one dict, ``settings.PGJOBS``; each key has a default and is read on access.
+Each key has one validator (``validation.SETTINGS``, which ``core.validation`` hands to
+``VALIDATORS`` here as it is imported): the typed readers below apply it, so a bad value raises
+``InvalidJobOptions`` naming the setting wherever it is used, and ``checks.py`` applies the same
+validators at start-up. A value that passed is kept until Django's ``setting_changed`` signal
+reports a change of ``PGJOBS`` (``override_settings`` and pytest-django's ``settings`` send it),
+so an enqueue does not validate the same settings again on every call. The reference page
+``docs/reference/settings.md`` documents each one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.core.signals import setting_changed
-
-from django_pgjobs.core import validation
 
 DEFAULTS: dict[str, Any] = {
     # The database alias the queue lives in.
@@ -86,7 +86,13 @@ DEFAULTS: dict[str, Any] = {
     "MONITORING_TOKEN": None,
 }
 
-MODES = validation.MODES
+MODES = ("lease", "transaction")
+
+# The validator of each key, and BACKOFF, the rule of the (BACKOFF_BASE, BACKOFF_MAX) pair.
+# conf sits below every other module and imports none of the app: core.validation registers
+# them here as it is imported, which the package's __init__ does (through the registry) before
+# any setting can be read.
+VALIDATORS: dict[str, Callable[[Any], Any]] = {}
 
 
 def raw() -> object:
@@ -116,7 +122,7 @@ def value(name: str) -> Any:
     try:
         return validated[name]
     except KeyError:
-        checked = validated[name] = validation.SETTINGS[name](get(name))
+        checked = validated[name] = VALIDATORS[name](get(name))
         return checked
 
 
@@ -154,9 +160,8 @@ def max_attempts() -> int:
 
 def backoff() -> tuple[float, float]:
     """(base, cap) in seconds of the retry delay after a failed attempt."""
-    return validation.backoff(
-        value("BACKOFF_BASE"), value("BACKOFF_MAX"), "PGJOBS['BACKOFF_BASE'] / ['BACKOFF_MAX']"
-    )
+    pair: tuple[float, float] = VALIDATORS["BACKOFF"]((value("BACKOFF_BASE"), value("BACKOFF_MAX")))
+    return pair
 
 
 def lease() -> timedelta:

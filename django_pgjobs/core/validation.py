@@ -22,6 +22,7 @@ from django.conf import settings
 from django.core import checks as django_checks
 from django.utils import timezone
 
+from django_pgjobs.core.conf import MODES, VALIDATORS
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, InvalidResult
 
 # A queue name: 1 to QUEUE_NAME_MAX of these characters. The table's CHECK says the same as
@@ -61,7 +62,6 @@ MAX_UNIQUE_KEY = 500
 # beyond this many the array costs more than the limit is worth (use a concurrency limit).
 MAX_RATE_COUNT = 10_000
 
-MODES = ("lease", "transaction")
 # How long a unique job keeps a second enqueue of its key out: while queued, or while queued
 # or running.
 UNIQUE_WHILE = ("queued", "active")
@@ -486,6 +486,14 @@ SETTINGS: dict[str, Callable[[object], Any]] = {
     "HEALTH_THRESHOLDS": lambda value: health_thresholds(value, _setting("HEALTH_THRESHOLDS")),
     "MONITORING_TOKEN": lambda value: monitoring_token(value, _setting("MONITORING_TOKEN")),
 }
+
+
+# conf applies them when a setting is read (conf imports nothing of the app: they are handed
+# to it here).
+VALIDATORS.update(SETTINGS)
+VALIDATORS["BACKOFF"] = lambda pair: backoff(
+    pair[0], pair[1], "PGJOBS['BACKOFF_BASE'] / ['BACKOFF_MAX']"
+)
 
 
 # -- payloads and results ------------------------------------------------------------------
