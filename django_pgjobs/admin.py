@@ -1,8 +1,8 @@
 """Jobs in the Django admin: a read-mostly list, failed jobs to retry or delete, a dashboard.
 
-The dashboard also steers queues (pause, resume, global limits) for users with the change
-permission on queues (``django_pgjobs.change_queuestate``), through the manager's
-``pause``, ``resume`` and ``set_limits``.
+This module builds the two lists and registers every admin class; the dashboard (which also
+steers queues) and the Schedules page, one page each with no list, are built in
+``_admin_pages``.
 
 Every action goes through the manager's verbs (``retry``, ``cancel``), never around them, and every
 query the pages make stays cheap on a table with millions of done rows: filters list their
@@ -25,34 +25,28 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import Q, QuerySet
-from django.http import (
-    Http404,
-    HttpRequest,
-    HttpResponse,
-    HttpResponseNotAllowed,
-    HttpResponseRedirect,
-)
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from django_pgjobs._admin_pages import QueueDashboardAdmin, SchedulesAdmin
 from django_pgjobs.core import execute, registry, validation
 from django_pgjobs.core.types import last_line
 from django_pgjobs.exceptions import InvalidJobOptions, WorkerCrashed
 from django_pgjobs.models import FailedJob, Job, QueueDashboard, ScheduleState, Status
-from django_pgjobs.ops import dashboard, doctor
+from django_pgjobs.ops import dashboard
 from django_pgjobs.ops.explain import explain
 
 if TYPE_CHECKING:
     _JobModelAdmin = admin.ModelAdmin[Job]
-    _DashboardModelAdmin = admin.ModelAdmin[QueueDashboard]
 else:
     # Generic only for type checkers (django-stubs): subscripting it at run time works only
     # where something has called django_stubs_ext.monkeypatch() (the django-tasks backport
     # does; Django 6 without it does not).
-    _JobModelAdmin = _DashboardModelAdmin = admin.ModelAdmin
+    _JobModelAdmin = admin.ModelAdmin
 
 STATUS_COLOURS = {
     Status.QUEUED: "#2563eb",
@@ -71,8 +65,6 @@ ERROR_PREVIEW = 80
 # The statuses a cancel changes; the confirmation page lists at most this many of them.
 CANCELLABLE = (Status.QUEUED, Status.RUNNING)
 CONFIRM_LIMIT = 100
-# Who may pause, resume and limit queues from the dashboard.
-QUEUE_CONTROL_PERMISSION = "django_pgjobs.change_queuestate"
 # The heading of a job page's explanation, by its first reason (a queued job's otherwise).
 EXPLANATION_TITLES = {
     "running": "What is this job doing?",
@@ -161,26 +153,6 @@ class JobForm(forms.ModelForm):  # type: ignore[type-arg]
                 f"more than that to leave it one."
             )
         return value
-
-
-class QueueLimitsForm(forms.Form):
-    """The dashboard's limits of one queue; an empty field is no limit. Only the form's own
-    rule (a rate needs both halves) is checked here: the values themselves are checked by
-    ``set_limits``, as from Python."""
-
-    concurrency = forms.IntegerField(required=False)
-    rate_count = forms.IntegerField(required=False)
-    rate_period = forms.FloatField(required=False, label="rate period (seconds)")
-
-    def clean(self) -> dict[str, Any]:
-        cleaned = super().clean() or {}
-        count, period = cleaned.get("rate_count"), cleaned.get("rate_period")
-        if (count is None) != (period is None) and not self.errors:
-            raise ValidationError(
-                "A rate limit needs both a count and a period in seconds (or neither, for no "
-                "rate limit)."
-            )
-        return cleaned
 
 
 T = TypeVar("T")
@@ -484,167 +456,9 @@ class FailedJobAdmin(JobAdmin):
             )
 
 
-class OnePageAdmin(_DashboardModelAdmin):
-    """A model admin that is one read-only page (its changelist URL), with no list."""
-
-    def get_urls(self) -> list[URLPattern]:
-        # Only the page itself: the model's other pages (change, history) would show single
-        # jobs to users who may only see the page.
-        return [
-            path(
-                "",
-                self.admin_site.admin_view(self.changelist_view),
-                name=f"{self.opts.app_label}_{self.opts.model_name}_changelist",
-            )
-        ]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-@admin.register(QueueDashboard)
-class QueueDashboardAdmin(OnePageAdmin):
-    """Per-queue depth, lag and throughput, the last failures, queue control (pause, resume,
-    global limits) and the live workers: one page, no list."""
-
-    def get_urls(self) -> list[URLPattern]:
-        # The target of the queue-control forms: a POST, never a page of its own.
-        control = path(
-            "control/",
-            self.admin_site.admin_view(self.control_view),
-            name=f"{self.opts.app_label}_{self.opts.model_name}_control",
-        )
-        return [*super().get_urls(), control]
-
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        if obj is not None:
-            return False
-        return bool(request.user.is_active and request.user.is_staff) and (
-            request.user.has_perm("django_pgjobs.view_job")
-            or request.user.has_perm("django_pgjobs.view_queuedashboard")
-        )
-
-    def changelist_view(
-        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
-    ) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        overview = dashboard.overview()
-        states = dashboard.queue_control()
-        names = sorted({q.queue for q in overview.queues} | set(states))
-        workers = dashboard.live_workers()
-        for worker in workers:
-            worker["queue_list"] = dashboard.worker_queues(worker)
-        context = {
-            **self.admin_site.each_context(request),
-            "title": "Queue dashboard",
-            "opts": self.model._meta,
-            "overview": overview,
-            "chart": _chart(overview),
-            "can_see_failures": request.user.has_perm("django_pgjobs.view_job"),
-            "can_control": request.user.has_perm(QUEUE_CONTROL_PERMISSION),
-            "control": [
-                _control_row(states.get(name) or dashboard.QueueControl(name)) for name in names
-            ],
-            "workers": workers,
-            "unrunnable": dashboard.unrunnable(),
-        }
-        return TemplateResponse(request, "admin/django_pgjobs/dashboard.html", context)
-
-    def control_view(self, request: HttpRequest) -> HttpResponse:
-        """The dashboard's Pause, Resume and limits buttons: a POST, then back to it."""
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
-        if not (
-            self.has_view_permission(request) and request.user.has_perm(QUEUE_CONTROL_PERMISSION)
-        ):
-            raise PermissionDenied
-        queue, action = request.POST.get("queue", ""), request.POST.get("action", "")
-        try:
-            if action == "pause":
-                Job.objects.pause(queue)
-                done = f"Paused queue {queue}: its jobs stay queued until it is resumed."
-            elif action == "resume":
-                Job.objects.resume(queue)
-                done = f"Resumed queue {queue}."
-            elif action == "limits":
-                done = self._set_limits(request, queue)
-            else:
-                raise InvalidJobOptions(
-                    f"Unknown queue action {action!r}: use pause, resume or limits."
-                )
-        except InvalidJobOptions as exc:
-            self.message_user(request, f"Nothing was changed: {exc}", messages.ERROR)
-        else:
-            self.message_user(request, done, messages.SUCCESS)
-        return HttpResponseRedirect(
-            reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
-        )
-
-    def _set_limits(self, request: HttpRequest, queue: str) -> str:
-        form = QueueLimitsForm(request.POST)
-        if not form.is_valid():
-            problems = [
-                f"{form.fields[name].label or name.replace('_', ' ')}: {error}"
-                if name in form.fields
-                else str(error)
-                for name, errors in form.errors.items()
-                for error in errors
-            ]
-            raise InvalidJobOptions(f"Invalid limits for queue {queue}: {' '.join(problems)}")
-        concurrency = form.cleaned_data["concurrency"]
-        count, period = form.cleaned_data["rate_count"], form.cleaned_data["rate_period"]
-        rate = None if count is None else (count, period)
-        Job.objects.set_limits(queue, concurrency=concurrency, rate=rate)
-        running = "no limit" if concurrency is None else f"at most {concurrency}"
-        started = "no limit" if rate is None else f"at most {count} per {period:g} s"
-        return f"Limits of queue {queue}: running {running}; started {started}."
-
-
-@admin.register(ScheduleState)
-class SchedulesAdmin(OnePageAdmin):
-    """The periodic schedules declared in code, with their last and next tick: one page,
-    read-only (a schedule changes in code, and takes effect when the workers restart)."""
-
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        if obj is not None:
-            return False
-        return bool(request.user.is_active and request.user.is_staff) and (
-            request.user.has_perm("django_pgjobs.view_job")
-            or request.user.has_perm("django_pgjobs.view_schedulestate")
-        )
-
-    def changelist_view(
-        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
-    ) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        context = {
-            **self.admin_site.each_context(request),
-            "title": "Schedules",
-            "opts": self.model._meta,
-            "schedules": doctor.schedule_health(),
-            "can_see_jobs": request.user.has_perm("django_pgjobs.view_job"),
-        }
-        return TemplateResponse(request, "admin/django_pgjobs/schedules.html", context)
-
-
-def _control_row(state: dashboard.QueueControl) -> dict[str, Any]:
-    """One queue's line of the control table; the period in seconds, as the form takes it."""
-    period = state.rate_period.total_seconds() if state.rate_period is not None else None
-    return {
-        "queue": state.queue,
-        "paused": state.paused,
-        "concurrency": state.concurrency,
-        "rate_count": state.rate_count,
-        "rate_period": None if period is None else f"{period:g}",
-    }
+# The two one-page admins live in _admin_pages; they are registered here, where Django looks.
+admin.register(QueueDashboard)(QueueDashboardAdmin)
+admin.register(ScheduleState)(SchedulesAdmin)
 
 
 def _pre(text: str) -> SafeString:
@@ -654,39 +468,3 @@ def _pre(text: str) -> SafeString:
 def _ids(ids: list[int]) -> str:
     shown = ", ".join(str(i) for i in ids[:20])
     return shown + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
-
-
-CHART_WIDTH, CHART_HEIGHT, CHART_TOP = 720, 180, 12
-
-
-def _chart(overview: dashboard.Overview) -> dict[str, Any]:
-    """Bar geometry for the throughput chart, drawn as SVG by the template (no script)."""
-    minutes = overview.minutes
-    peak = max(overview.peak, 1)
-    slot = CHART_WIDTH / max(len(minutes), 1)
-    scale = (CHART_HEIGHT - CHART_TOP) / peak
-    bars = []
-    for index, minute in enumerate(minutes):
-        done_h = minute.done * scale
-        failed_h = minute.failed * scale
-        bars.append(
-            {
-                "x": round(index * slot + 1, 1),
-                "width": round(max(slot - 2, 1), 1),
-                "done_y": round(CHART_HEIGHT - done_h, 1),
-                "done_h": round(done_h, 1),
-                "failed_y": round(CHART_HEIGHT - done_h - failed_h, 1),
-                "failed_h": round(failed_h, 1),
-                "label": f"{minute.minute:%H:%M} UTC: {minute.done} done, {minute.failed} failed",
-            }
-        )
-    return {
-        "width": CHART_WIDTH,
-        "height": CHART_HEIGHT,
-        "bars": bars,
-        "peak": overview.peak,
-        "first": f"{minutes[0].minute:%H:%M}" if minutes else "",
-        "last": f"{minutes[-1].minute:%H:%M}" if minutes else "",
-        "total_done": sum(m.done for m in minutes),
-        "total_failed": sum(m.failed for m in minutes),
-    }

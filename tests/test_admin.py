@@ -24,7 +24,8 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_pgjobs.admin import CHART_HEIGHT, CHART_TOP, STATUS_COLOURS
+from django_pgjobs._admin_pages import CHART_HEIGHT, CHART_TOP
+from django_pgjobs.admin import STATUS_COLOURS
 from django_pgjobs.models import Job, Status
 from django_pgjobs.ops import dashboard, doctor
 from tests.helpers import (

@@ -162,34 +162,41 @@ class Schedule:
 
     def problems(self) -> list[tuple[str, str, str]]:
         """(check id, what is wrong, how to fix it) for each bad value; empty when valid."""
-        found: list[tuple[str, str, str]] = []
         where = f"Schedule {self.name!r} ({self.origin})"
+        checks = (
+            self._name_problems,
+            self._timing_problems,
+            self._zone_problems,
+            self._kwargs_problems,
+            self._option_problems,
+            self._task_problems,
+        )
+        return [problem for check in checks for problem in check(where)]
+
+    def _name_problems(self, where: str) -> Iterator[tuple[str, str, str]]:
         if not isinstance(self.name, str) or not self.name.strip() or len(self.name) > 200:
-            found.append(
-                (
-                    "pgjobs.E039",
-                    f"{where}: the name must be a non-empty string of at most 200 characters.",
-                    "Pass name='...' to @periodic, or use another key in PGJOBS['SCHEDULE'].",
-                )
+            yield (
+                "pgjobs.E039",
+                f"{where}: the name must be a non-empty string of at most 200 characters.",
+                "Pass name='...' to @periodic, or use another key in PGJOBS['SCHEDULE'].",
             )
+
+    def _timing_problems(self, where: str) -> Iterator[tuple[str, str, str]]:
+        """Exactly one of cron and every, and that one valid."""
         if (self.cron is None) == (self.every is None):
-            found.append(
-                (
-                    "pgjobs.E030",
-                    f"{where} has {'both' if self.cron is not None else 'neither'} cron and every.",
-                    "Give exactly one: a 5-field cron expression, or every=timedelta(...).",
-                )
+            yield (
+                "pgjobs.E030",
+                f"{where} has {'both' if self.cron is not None else 'neither'} cron and every.",
+                "Give exactly one: a 5-field cron expression, or every=timedelta(...).",
             )
         if self.cron is not None:
             error = _cron_error(self.cron)
             if error:
-                found.append(
-                    (
-                        "pgjobs.E031",
-                        f"{where}: invalid cron expression {self.cron!r}: {error}.",
-                        "Use 5 fields: minute hour day-of-month month day-of-week, e.g. "
-                        "'30 2 * * *' (02:30 every day) or '*/5 * * * *'.",
-                    )
+                yield (
+                    "pgjobs.E031",
+                    f"{where}: invalid cron expression {self.cron!r}: {error}.",
+                    "Use 5 fields: minute hour day-of-month month day-of-week, e.g. "
+                    "'30 2 * * *' (02:30 every day) or '*/5 * * * *'.",
                 )
         if self.every is not None:
             every = self.every
@@ -199,54 +206,53 @@ class Schedule:
                 seconds = every.total_seconds() if isinstance(every, timedelta) else every
                 ok = MIN_EVERY.total_seconds() <= seconds <= validation.MAX_DURATION.total_seconds()
             if not ok:
-                found.append(
-                    (
-                        "pgjobs.E032",
-                        f"{where}: every={every!r} is not an interval of 1 second or more.",
-                        "Pass a timedelta (or a number of seconds) of at least 1 second.",
-                    )
+                yield (
+                    "pgjobs.E032",
+                    f"{where}: every={every!r} is not an interval of 1 second or more.",
+                    "Pass a timedelta (or a number of seconds) of at least 1 second.",
                 )
+
+    def _zone_problems(self, where: str) -> Iterator[tuple[str, str, str]]:
         if self.timezone is not None or self.cron is not None:
             try:
                 self.zone  # noqa: B018 - looking it up is the check
             except (ZoneInfoNotFoundError, ValueError, TypeError):
-                found.append(
-                    (
-                        "pgjobs.E033",
-                        f"{where}: unknown time zone {self.timezone or settings.TIME_ZONE!r}.",
-                        "Use an IANA name such as 'Europe/Paris' or 'UTC'.",
-                    )
+                yield (
+                    "pgjobs.E033",
+                    f"{where}: unknown time zone {self.timezone or settings.TIME_ZONE!r}.",
+                    "Use an IANA name such as 'Europe/Paris' or 'UTC'.",
                 )
+
+    def _kwargs_problems(self, where: str) -> Iterator[tuple[str, str, str]]:
         if self.kwargs is not None:
             try:
                 validation.payload(self.kwargs)
             except InvalidPayload as exc:
-                found.append(
-                    (
-                        "pgjobs.E034",
-                        f"{where}: its kwargs cannot be a job's payload: {exc}",
-                        "kwargs must be a dict of JSON values (str, int, float, bool, None, "
-                        "list, dict).",
-                    )
+                yield (
+                    "pgjobs.E034",
+                    f"{where}: its kwargs cannot be a job's payload: {exc}",
+                    "kwargs must be a dict of JSON values (str, int, float, bool, None, "
+                    "list, dict).",
                 )
+
+    def _option_problems(self, where: str) -> Iterator[tuple[str, str, str]]:
         try:
             if self.queue is not None:
                 validation.queue_name(self.queue)
             if self.priority is not None:
                 validation.priority(self.priority)
         except InvalidJobOptions as exc:
-            found.append(("pgjobs.E037", f"{where}: {exc}", "Fix the queue or priority."))
+            yield ("pgjobs.E037", f"{where}: {exc}", "Fix the queue or priority.")
+
+    def _task_problems(self, where: str) -> Iterator[tuple[str, str, str]]:
         if not isinstance(self.task, str) or not self._registered():
-            found.append(
-                (
-                    "pgjobs.E036",
-                    f"{where} names the task {self.task!r}, which is not a registered job.",
-                    "Name a @job function (module.qualname, or its name=) or a django.tasks "
-                    "@task that uses django_pgjobs' backend, and make sure its module is "
-                    "imported (an app's jobs.py or tasks.py, or PGJOBS['IMPORTS']).",
-                )
+            yield (
+                "pgjobs.E036",
+                f"{where} names the task {self.task!r}, which is not a registered job.",
+                "Name a @job function (module.qualname, or its name=) or a django.tasks "
+                "@task that uses django_pgjobs' backend, and make sure its module is "
+                "imported (an app's jobs.py or tasks.py, or PGJOBS['IMPORTS']).",
             )
-        return found
 
     def _registered(self) -> bool:
         try:

@@ -132,6 +132,15 @@ class Command(BaseCommand):
         self.stdout.flush()
 
     def _print(self, report: findings.Report) -> None:
+        """The report as text, a section at a time; the problems (or "Healthy.") last."""
+        self._print_queues(report)
+        self._print_workers(report)
+        self._print_table(report)
+        self._print_schedules(report)
+        self._print_verdict(report)
+
+    def _print_queues(self, report: findings.Report) -> None:
+        """Each queue's counts, then the recent failures and the jobs that killed workers."""
         write = self.stdout.write
         write("Queues:")
         for q in report.queues:
@@ -153,6 +162,10 @@ class Command(BaseCommand):
         for row in report.quarantined[:5]:
             write(f"  job {row['id']} {row['task']}: {row['crashes']} worker deaths in a row")
         write(f"Live jobs whose last attempt ended with a dead worker: {report.suspects}")
+
+    def _print_workers(self, report: findings.Report) -> None:
+        """The live workers, the ready jobs none of them can run, and the paused queues."""
+        write = self.stdout.write
         write(f"Live workers: {len(report.workers)}")
         for worker in report.workers:
             tasks = worker["tasks"]
@@ -168,6 +181,11 @@ class Command(BaseCommand):
             unserved = "" if row["served"] else " (no live worker serves this queue)"
             write(f"  {row['queue']}: {row['ready']} of {row['task']}{unserved}")
         write(f"Paused queues: {', '.join(report.paused) or 'none'}")
+
+    def _print_table(self, report: findings.Report) -> None:
+        """The jobs table's upkeep: dead rows and autovacuum, what holds vacuum back, sessions
+        idle in transaction, invalid indexes."""
+        write = self.stdout.write
         table, settings = report.table, report.settings
         write(
             f"Table pgjobs_job: {table['n_live_tup']} live rows, {table['n_dead_tup']} dead "
@@ -196,6 +214,9 @@ class Command(BaseCommand):
         )
         write(f"Sessions idle in transaction: {len(report.idle_in_transaction)}")
         write(f"Invalid indexes: {', '.join(report.invalid_indexes) or 'none'}")
+
+    def _print_schedules(self, report: findings.Report) -> None:
+        write = self.stdout.write
         write("Schedules:" + ("" if report.schedules else " none"))
         for schedule in report.schedules:
             last = schedule["last_tick"]
@@ -210,6 +231,9 @@ class Command(BaseCommand):
                 f"{schedule['next_tick'].isoformat()}"
                 + (f"; {schedule['failures']} failed step(s)" if schedule["last_error"] else "")
             )
+
+    def _print_verdict(self, report: findings.Report) -> None:
+        write = self.stdout.write
         if report.healthy:
             write("Healthy.")
             return
