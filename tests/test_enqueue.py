@@ -23,8 +23,8 @@ from django.utils import timezone
 
 from django_pgjobs import job
 from django_pgjobs.core import registry
+from django_pgjobs.core.enqueue import _columns
 from django_pgjobs.exceptions import InvalidJobOptions, InvalidPayload, UnknownTask
-from django_pgjobs.managers import _columns
 from django_pgjobs.models import Job
 from django_pgjobs.notify import notifier
 from testproject.shop.jobs import send_confirmation

@@ -18,9 +18,10 @@ from psycopg.errors import SerializationFailure
 
 from django_pgjobs import job
 from django_pgjobs.core import conf, finish
+from django_pgjobs.core.enqueue import UNIQUE_TRIES
 from django_pgjobs.core.types import FailedAttempt, Failure
 from django_pgjobs.exceptions import UniqueKeyBusy
-from django_pgjobs.managers import UNIQUE_TRIES, Enqueued
+from django_pgjobs.managers import Enqueued
 from django_pgjobs.models import Job
 from testproject.testjobs import noop
 from tests.helpers import (

@@ -89,10 +89,10 @@ def unique_keys(
             "a unique key: pass unique_key= (or give @job a unique_key callable), or leave "
             "unique_while out."
         )
-    return keys(func, payloads, given, "unique_key")
+    return payload_keys(func, payloads, given, "unique_key")
 
 
-def keys(
+def payload_keys(
     func: JobFunction[..., Any], payloads: Sequence[Any], given: KeySource, option: str
 ) -> list[str | None] | None:
     """Each payload's ``option`` key (``unique_key`` or ``lock_key``): the one given, else the
