@@ -413,8 +413,8 @@ def test_async_jobs_whose_task_ends_at_their_timeouts_cancel_are_not_counted_stu
     stats = worker.run()
     assert stats.retried == 3
     assert {status(i) for i in ids} == {"queued"}
-    assert worker._timed_out_async == {}
-    assert worker._stuck() == 0 and not worker.stuck
+    assert worker._stuck_jobs.timed_out == {}
+    assert worker._stuck_jobs.count() == 0 and not worker.stuck
 
 
 @pytest.mark.parametrize("atomically", [False, True], ids=["plain", "in-atomic"])

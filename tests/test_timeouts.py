@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from django_pgjobs.models import Job
-from django_pgjobs.worker.worker import EXIT_STUCK
+from django_pgjobs.worker.stuck import EXIT_STUCK
 from testproject.shop.models import Order
 from tests.helpers import job_row, wait_until
 from tests.workers import (

@@ -270,18 +270,7 @@ class Completer(threading.Thread):
         backoff = ReconnectBackoff("completer")
         try:
             while True:
-                with self._lock:
-                    while not (
-                        self._written or self._writable() or self._closing or self._due() <= 0
-                    ):
-                        wait = self._wait()
-                        self._wakes_at = time.monotonic() + wait
-                        try:
-                            self._cond.wait(None if wait == math.inf else wait)
-                        finally:
-                            self._wakes_at = None
-                    late = self._time_out()
-                    closing = self._closing
+                late, closing = self._next_round()
                 written = self._count_written()
                 # The failures are built here, without the lock: the job's retry policy (a
                 # backoff callable: user code) decides them.
@@ -341,21 +330,38 @@ class Completer(threading.Thread):
                 if closing and not self._pending:
                     return
         finally:
-            try:
-                # What the producer wrote is counted and announced even when this thread stops.
-                self._count_written()
-            except Exception:
-                logger.exception(
-                    "could not count the completions written with claims",
-                    extra={"action": "complete"},
-                )
-            finally:
-                if self._to_wake:
-                    # The thread stops on a failure (the database gone, or refusing every
-                    # write): no word is tried any more.
-                    word_not_sent(len(self._to_wake), "complete", failed=False)
-                self.store.close()
-                connections.close_all()
+            self._stopped()
+
+    def _next_round(self) -> tuple[list[_Running], bool]:
+        """Wait until there is something to do; take the jobs past their deadline off the
+        running (``_time_out()``), and return them with whether the completer is closing."""
+        with self._lock:
+            while not (self._written or self._writable() or self._closing or self._due() <= 0):
+                wait = self._wait()
+                self._wakes_at = time.monotonic() + wait
+                try:
+                    self._cond.wait(None if wait == math.inf else wait)
+                finally:
+                    self._wakes_at = None
+            return self._time_out(), self._closing
+
+    def _stopped(self) -> None:
+        """The thread stops: count what the producer wrote, and let go of the connections."""
+        try:
+            # What the producer wrote is counted and announced even when this thread stops.
+            self._count_written()
+        except Exception:
+            logger.exception(
+                "could not count the completions written with claims",
+                extra={"action": "complete"},
+            )
+        finally:
+            if self._to_wake:
+                # The thread stops on a failure (the database gone, or refusing every
+                # write): no word is tried any more.
+                word_not_sent(len(self._to_wake), "complete", failed=False)
+            self.store.close()
+            connections.close_all()
 
     def _count_written(self) -> bool:
         """Count, log and announce what the producer's claims wrote (``completed()``), and

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from django_pgjobs.core import validation
-from django_pgjobs.worker.worker import EXIT_STUCK
+from django_pgjobs.worker.stuck import EXIT_STUCK
 
 logger = logging.getLogger(__name__)
 

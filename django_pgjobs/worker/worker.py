@@ -44,7 +44,9 @@ from django_pgjobs.worker.loop import EventLoop
 from django_pgjobs.worker.metrics import WorkerMetrics
 from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.scheduler import Scheduler
+from django_pgjobs.worker.slots import Slots
 from django_pgjobs.worker.store import Store
+from django_pgjobs.worker.stuck import StuckJobs
 from django_pgjobs.worker.transaction import TransactionMode
 
 logger = logging.getLogger("django_pgjobs.worker")
@@ -55,17 +57,9 @@ __all__ = ["Worker", "WorkerStats"]
 EXIT_TIMEOUT = 3
 # Seconds between two looks at an executor the shutdown waits for (was it abandoned since?).
 SHUTDOWN_STEP = 0.1
-# runjobs's exit status once more than PGJOBS["MAX_STUCK_EXECUTORS"] executor threads are
-# stuck in jobs past their timeout (EX_TEMPFAIL: start a fresh process).
-EXIT_STUCK = 75
-# Seconds the event loop may leave unanswered the ping sent after an async job's timeout
-# cancelled its task, before the worker takes the loop for blocked and exits with EXIT_STUCK.
-LOOP_STUCK_AFTER = 10.0
 # A worker's registry row outlives its latest beat by this many of its ticks (a busy machine
 # may run a tick late), then the reaper clears it.
 BEATS_TO_EXPIRY = 3
-# The slots of the queues that share the worker's --concurrency.
-SHARED = ""
 
 
 class Worker:
@@ -105,31 +99,76 @@ class Worker:
         metrics_port: int | None = None,
         metrics_addr: str | None = None,
     ) -> None:
+        self._lock = threading.Lock()
+        self._size_slots(queues, concurrency, async_concurrency)
+        self._claim_options(
+            registered_only, batch_size, lease, poll_interval, reap_interval, mode, max_jobs
+        )
+        self.burst = burst
+        self._databases(database, listen_database, shutdown_timeout)
+        self.worker_id = default_worker_id()
+        # Invalid schedules stop the start (ImproperlyConfigured), as `manage.py check` would.
+        self.schedules = schedules.valid() if schedule else []
+        self.stats = WorkerStats()
+        self.stopping = threading.Event()
+        self._wake = threading.Event()
+        self._notified = 0
+        self._handoff: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._completer: Completer | None = None
+        self._signals = 0
+        self._next_queue = 0
+        self.max_stuck = (
+            conf.max_stuck_executors()
+            if max_stuck_executors is None
+            else validation.positive_int("max_stuck_executors", max_stuck_executors)
+        )
+        self._executors: list[Executor] = []
+        self._stuck_jobs = StuckJobs(
+            self.worker_id, self.max_stuck, self._executors, self._lock, self.stop
+        )
+        # Numbers for the replacements of abandoned executors (the first are 0 .. N-1).
+        self._serial = itertools.count(self._slots.executors)
+        # The queues to claim through the guarded claim (a limit, or jobs with lock keys), as
+        # the latest outlook saw them.
+        self._guarded: frozenset[str] = frozenset()
+        self._started_at = datetime.now(dt_timezone.utc)
+        # When the producer last reaped (monotonic).
+        self._last_reap = -math.inf
+        self._lease_mode: LeaseMode | None = None
+        self._serve_on(metrics_port, metrics_addr)
+
+    def _size_slots(
+        self,
+        queues: Sequence[str] | Mapping[str, int | None] | None,
+        concurrency: int | None,
+        async_concurrency: int | None,
+    ) -> None:
         # Each queue's own slot limit in this process (None: it shares `concurrency`).
         self.limits = validation.queue_limits(queues or [conf.default_queue()])
         self.queues = list(self.limits)
         self.concurrency = validation.positive_int(
             "concurrency", conf.concurrency() if concurrency is None else concurrency
         )
-        # Slots per pool: one per queue with its own limit, one shared by the others.
-        self._slots = {q: n for q, n in self.limits.items() if n is not None}
-        if None in self.limits.values():
-            self._slots[SHARED] = self.concurrency
-        self._busy = dict.fromkeys(self._slots, 0)
         # async def jobs run on one event-loop thread, up to this many at once, apart from
         # the executor threads' slots (a queue with a limit of its own still counts them).
         self.async_concurrency = validation.positive_int(
             "async_concurrency",
             conf.async_concurrency() if async_concurrency is None else async_concurrency,
         )
+        self._slots = Slots(self.limits, self.concurrency, self.async_concurrency, self._lock)
+        # Started by run() only when async def jobs are registered (in lease mode).
         self._loop: EventLoop | None = None
-        # Async jobs handed to the loop and not yet ended (counted at hand-out).
-        # Whether the latest claim that found jobs found async ones: only then (or while the
-        # loop runs some) does a worker whose executors are all busy claim async jobs alone,
-        # so a worker whose queues hold only sync jobs claims as if it had no loop.
-        self._async_seen = False
-        self._sync_tasks: execute.TextArray | None = None
-        self._async_tasks: execute.TextArray | None = None
+
+    def _claim_options(
+        self,
+        registered_only: bool | None,
+        batch_size: int | None,
+        lease: float | timedelta | None,
+        poll_interval: float | None,
+        reap_interval: float | None,
+        mode: str | None,
+        max_jobs: int | None,
+    ) -> None:
         self.registered_only = (
             conf.claim_registered_only()
             if registered_only is None
@@ -153,8 +192,11 @@ class Worker:
             else validation.seconds("reap_interval", reap_interval, minimum=0)
         )
         self.mode = conf.mode() if mode is None else validation.mode(mode)
-        self.burst = burst
         self.max_jobs = None if max_jobs is None else validation.positive_int("max_jobs", max_jobs)
+
+    def _databases(
+        self, database: str | None, listen_database: str | None, shutdown_timeout: float | None
+    ) -> None:
         self.database = (
             conf.database() if database is None else str(validation.alias(database, "database"))
         )
@@ -179,46 +221,8 @@ class Worker:
             prepare=conf.prepare(),
             tasks=registry.names() if self.registered_only else None,
         )
-        self.worker_id = default_worker_id()
-        # Invalid schedules stop the start (ImproperlyConfigured), as `manage.py check` would.
-        self.schedules = schedules.valid() if schedule else []
-        self.stats = WorkerStats()
-        self.stopping = threading.Event()
-        self._wake = threading.Event()
-        self._notified = 0
-        self._handoff: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._completer: Completer | None = None
-        self._signals = 0
-        self._next_queue = 0
-        self._lock = threading.Lock()
-        self._inflight = 0
-        self.max_stuck = (
-            conf.max_stuck_executors()
-            if max_stuck_executors is None
-            else validation.positive_int("max_stuck_executors", max_stuck_executors)
-        )
-        self._executors: list[Executor] = []
-        # Numbers for the replacements of abandoned executors (the first are 0 .. N-1).
-        self._serial = itertools.count(sum(self._slots.values()))
-        # The queues to claim through the guarded claim (a limit, or jobs with lock keys), as
-        # the latest outlook saw them.
-        self._guarded: frozenset[str] = frozenset()
-        # Set when the next claim may find what the last one could not: a slot freed in a
-        # pool that was full (its queues were not asked), or an outcome written while some
-        # queue is guarded (the finished job's place under a limit, or its key, is free).
-        self._freed = False
-        self._started_at = datetime.now(dt_timezone.utc)
-        self._lease_mode: LeaseMode | None = None
-        # Set once too many executors are stuck in jobs past their timeout: runjobs then
-        # exits with EXIT_STUCK so that its supervisor starts a clean process.
-        self.stuck = False
-        # The async jobs handed to the loop whose task has not ended, by (id, attempt) (how
-        # many: the loop's slots taken), and those of them past their timeout: -> when it was
-        # seen (monotonic). One still
-        # running LOOP_STUCK_AFTER later caught the cancel and went on, holding its slot of
-        # the loop: stuck, like an abandoned thread. Both under _lock.
-        self._on_loop: set[tuple[int, int]] = set()
-        self._timed_out_async: dict[tuple[int, int], float] = {}
+
+    def _serve_on(self, metrics_port: int | None, metrics_addr: str | None) -> None:
         # Only a worker asked to serve metrics keeps any (MetricsUnavailable without the
         # prometheus extra).
         if metrics_addr is not None and metrics_port is None:
@@ -229,6 +233,12 @@ class Worker:
         self.metrics_port = None if metrics_port is None else metrics.port(metrics_port)
         self.metrics_addr = metrics.address("127.0.0.1" if metrics_addr is None else metrics_addr)
         self.metrics = WorkerMetrics() if self.metrics_port is not None else None
+
+    @property
+    def stuck(self) -> bool:
+        """Whether too many jobs got stuck past their timeout, or a job blocked the event loop
+        (logged at ERROR): runjobs then exits with ``EXIT_STUCK``."""
+        return self._stuck_jobs.stuck
 
     # -- control -------------------------------------------------------------------------
 
@@ -313,7 +323,7 @@ class Worker:
         # until its outcome is committed: claim again now.
         lease_mode = self._lease_mode
         if self._guarded:
-            self._freed = True
+            self._slots.freed = True
             self._wake.set()
         elif lease_mode is not None and (
             lease_mode.solo is not None or (self.burst and lease_mode.passed_over())
@@ -330,19 +340,7 @@ class Worker:
     def run(self) -> WorkerStats:
         if self.metrics is not None and self.metrics_port is not None:
             self._serve_metrics(self.metrics, self.metrics_port)
-        logger.info(
-            "worker %s starting: queues %s, %s mode, concurrency %s, batch %s, lease %.0f s, "
-            "poll %.0f s, reap %s",
-            self.worker_id,
-            ",".join(q if n is None else f"{q}={n}" for q, n in self.limits.items()),
-            self.mode,
-            self.concurrency,
-            self.batch_size,
-            self.lease.total_seconds(),
-            self.poll_interval,
-            f"{self.reap_interval:.0f} s" if self.reap_interval else "off",
-            extra={"action": "start", "worker_id": self.worker_id},
-        )
+        self._log_start()
         started = time.monotonic()
         completer = Completer(
             self.store,
@@ -360,42 +358,17 @@ class Worker:
         if self._lease_mode is not None and any(
             registry.runs_async(name) for name in registry.names()
         ):
-            # The tasks of each side, for a claim when only the executors or only the loop
-            # have room (the registry's: a job of an unregistered task waits for both).
-            self._sync_tasks = execute.TextArray.of(
-                name for name in registry.names() if not registry.runs_async(name)
-            )
-            self._async_tasks = execute.TextArray.of(
-                name for name in registry.names() if registry.runs_async(name)
-            )
-            self._loop = EventLoop(
-                self._lease_mode, self.async_concurrency, on_done=self._async_done
-            )
-            self._loop.start()
-            logger.info(
-                "worker %s runs async jobs on an event loop, %s at once",
-                self.worker_id,
-                self.async_concurrency,
-                extra={"action": "start", "worker_id": self.worker_id},
-            )
+            self._start_loop(self._lease_mode)
         executors = self._executors
         executors.extend(
             Executor(i, self._handoff, self._mode, on_done=self._job_done)
-            for i in range(sum(self._slots.values()))
+            for i in range(self._slots.executors)
         )
         listener = None
         if not self.burst:
             listener = Listener(self.listen_database, self.queues, self._on_notify)
             listener.start()
-        scheduler = None
-        if self.schedules:
-            scheduler = Scheduler(self.store, self.schedules, self.worker_id)
-            logger.info(
-                "worker %s schedules: %s",
-                self.worker_id,
-                "; ".join(f"{s.name} ({s.describe()})" for s in self.schedules),
-                extra={"action": "start", "worker_id": self.worker_id},
-            )
+        scheduler = self._scheduler()
         completer.start()
         for executor in executors:
             executor.start()
@@ -405,7 +378,7 @@ class Worker:
             # Completions from here on are the completer's to write at once.
             completer.ride(False)
             self._shut_down(executors, completer, listener)
-        stuck = self._stuck()
+        stuck = self._stuck_jobs.count()
         logger.info(
             "worker %s stopped after %.1f s: %s%s",
             self.worker_id,
@@ -416,10 +389,57 @@ class Worker:
         )
         return self.stats
 
+    def _log_start(self) -> None:
+        logger.info(
+            "worker %s starting: queues %s, %s mode, concurrency %s, batch %s, lease %.0f s, "
+            "poll %.0f s, reap %s",
+            self.worker_id,
+            ",".join(q if n is None else f"{q}={n}" for q, n in self.limits.items()),
+            self.mode,
+            self.concurrency,
+            self.batch_size,
+            self.lease.total_seconds(),
+            self.poll_interval,
+            f"{self.reap_interval:.0f} s" if self.reap_interval else "off",
+            extra={"action": "start", "worker_id": self.worker_id},
+        )
+
+    def _start_loop(self, lease_mode: LeaseMode) -> None:
+        """Start the event loop that runs the async jobs, and count its slots."""
+        # The tasks of each side, for a claim when only the executors or only the loop
+        # have room (the registry's: a job of an unregistered task waits for both).
+        self._slots.use_loop(
+            execute.TextArray.of(
+                name for name in registry.names() if not registry.runs_async(name)
+            ),
+            execute.TextArray.of(name for name in registry.names() if registry.runs_async(name)),
+        )
+        self._loop = EventLoop(lease_mode, self.async_concurrency, on_done=self._async_done)
+        self._loop.start()
+        logger.info(
+            "worker %s runs async jobs on an event loop, %s at once",
+            self.worker_id,
+            self.async_concurrency,
+            extra={"action": "start", "worker_id": self.worker_id},
+        )
+
+    def _scheduler(self) -> Scheduler | None:
+        """The scheduler of the periodic schedules, if any (the schedules are logged)."""
+        if not self.schedules:
+            return None
+        scheduler = Scheduler(self.store, self.schedules, self.worker_id)
+        logger.info(
+            "worker %s schedules: %s",
+            self.worker_id,
+            "; ".join(f"{s.name} ({s.describe()})" for s in self.schedules),
+            extra={"action": "start", "worker_id": self.worker_id},
+        )
+        return scheduler
+
     def _serve_metrics(self, worker_metrics: WorkerMetrics, port: int) -> None:
         """Start serving the metrics (before anything else: a port that cannot be bound stops
         the start) and log where, the bound port included (``--metrics-port 0``)."""
-        worker_metrics.watch(lambda: self._inflight, lambda: sum(self._slots.values()))
+        worker_metrics.watch(lambda: self._slots.inflight, lambda: self._slots.executors)
         bound = worker_metrics.serve(self.metrics_addr, port)
         logger.info(
             "worker %s serves its metrics on http://%s:%s/metrics",
@@ -438,11 +458,9 @@ class Worker:
         deferred job coming due, or a schedule's tick wakes the producer, so an idle worker
         is silent."""
         backoff = ReconnectBackoff("producer")
-        settle = upkeep.REAP_SETTLE.total_seconds()
         failed_at = -math.inf  # the producer's latest failed statement
         tick = min(self.poll_interval, self.reap_interval or self.poll_interval)
         next_tick = time.monotonic()  # at once: reap a crashed predecessor's jobs, then claim
-        last_reap = -math.inf
         next_due: float | None = None
         maybe_more = True
         look = True  # the outlook is due after the next claim
@@ -464,40 +482,18 @@ class Worker:
             if timed:
                 next_tick = now + tick
                 maybe_more = look = True
-                if listener is not None:
-                    listener.probe()
-                if self._loop is not None:
-                    if self._loop.unanswered() > LOOP_STUCK_AFTER:
-                        self._loop_stuck()
-                    elif self._timed_out_async:
-                        self._count_stuck()
-            if self._freed:
-                maybe_more, self._freed = True, False
+                self._on_tick(listener)
+            if self._slots.freed:
+                maybe_more, self._slots.freed = True, False
             if next_due is not None and now >= next_due:
                 maybe_more, next_due = True, None
             try:
-                reap = self.reap_interval and now - last_reap >= self.reap_interval - tick / 2
-                # Never reap within a settle after an outage this worker saw (a failed claim
-                # or write): its own and every other worker's outcomes and lease extensions
-                # go first, or jobs that ran to the end would be failed as expired.
-                settled = now - max(failed_at, completer.last_failure) >= settle
+                reap = self._reap_due(now, tick, max(failed_at, completer.last_failure))
                 if timed:
-                    self.store.beat(self._record(tick))
-                if timed and reap and settled:
-                    last_reap = now
-                    reaped = self.store.reap()
-                    self.stats.add("reaped", len(reaped))
-                    # A requeued job sends no NOTIFY: the claim below looks for it now.
+                    self._upkeep(now, tick, reap)
                 if scheduler is not None and (scheduler.next_step or 0.0) <= now:
                     scheduler.step()
-                free = self._free()
-                if self.burst and self._lease_mode is not None and self._lease_mode.passed_over():
-                    maybe_more = True
-                if self._lease_mode is not None and self._lease_mode.isolating():
-                    # A suspect runs alone. Look again once it has finished.
-                    free, maybe_more = 0, True
-                if self.max_jobs is not None:
-                    free = min(free, self.max_jobs - self.stats.claimed)
+                free, maybe_more = self._claimable(maybe_more)
                 got = 0
                 if (maybe_more or self.burst) and free > 0:
                     wanted = min(free, self.batch_size)
@@ -509,9 +505,8 @@ class Worker:
                         # worker looks after its first claim of each tick, so keyed jobs do
                         # not wait for a lull).
                         look = False
-                        guarded = self._guarded
-                        next_due = self._look(time.monotonic() - sent)
-                        if self._guarded - guarded:
+                        next_due, newly_guarded = self._look(time.monotonic() - sent)
+                        if newly_guarded:
                             maybe_more = True
                             continue
                     backoff.succeeded(self.database)
@@ -521,26 +516,79 @@ class Worker:
                 if not unavailable(exc):
                     raise
                 maybe_more = True
-                failed_at = time.monotonic()
-                # The completer retries its writes itself, on its own connection.
-                completer.ride(False)
-                self.store.close()
-                backoff.failed(self.database, exc, self.stopping)
+                failed_at = self._outage(exc, completer, backoff)
                 continue
-            # A burst ends on an empty claim, unless it was a busy one that left suspects out.
-            lease_mode = self._lease_mode
-            passed_over = lease_mode is not None and bool(lease_mode.skipped)
-            if self._inflight == 0 and (
-                (self.burst and got == 0 and free > 0 and not passed_over)
-                or self.max_jobs == self.stats.claimed
-            ):
+            if self._done(got, free):
                 return
             ticks_at = scheduler.next_step if scheduler is not None else None
-            wake_at = min(t for t in (next_tick, next_due, ticks_at) if t is not None)
-            # Completions recorded while this waits ride with the claim that their freed slots
-            # wake it to make, if it is to make one.
-            completer.ride(self._claims_next(maybe_more), self._guarded)
-            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wait(completer, maybe_more, next_tick, next_due, ticks_at)
+
+    def _reap_due(self, now: float, tick: float, failed_at: float) -> bool:
+        """Whether the reap is due on a tick at ``now``, given the latest failed statement
+        of the producer or the completer (``failed_at``)."""
+        reap = self.reap_interval and now - self._last_reap >= self.reap_interval - tick / 2
+        # Never reap within a settle after an outage this worker saw (a failed claim or
+        # write): its own and every other worker's outcomes and lease extensions go first,
+        # or jobs that ran to the end would be failed as expired.
+        settled = now - failed_at >= upkeep.REAP_SETTLE.total_seconds()
+        return bool(reap and settled)
+
+    def _upkeep(self, now: float, tick: float, reap: bool) -> None:
+        """The tick's writes: this worker's beat, and the reap if it is due."""
+        self.store.beat(self._record(tick))
+        if reap:
+            self._last_reap = now
+            # A requeued job sends no NOTIFY: the claim below looks for it now.
+            self.stats.add("reaped", len(self.store.reap()))
+
+    def _wait(self, completer: Completer, maybe_more: bool, *times: float | None) -> None:
+        """Wait for a reason to look at the table, or the earliest of ``times``."""
+        wake_at = min(t for t in times if t is not None)
+        # Completions recorded while this waits ride with the claim that their freed slots
+        # wake it to make, if it is to make one.
+        completer.ride(self._claims_next(maybe_more), self._guarded)
+        self._wake.wait(max(0.0, wake_at - time.monotonic()))
+
+    def _on_tick(self, listener: Listener | None) -> None:
+        """The tick's looks: is the LISTEN connection alive, is a job stuck?"""
+        if listener is not None:
+            listener.probe()
+        if self._loop is not None:
+            self._stuck_jobs.look(self._loop)
+
+    def _claimable(self, maybe_more: bool) -> tuple[int, bool]:
+        """How many jobs this round may claim (its free slots, none while a suspect runs
+        alone, no more than ``max_jobs`` leaves), and whether the queues may hold more."""
+        free = self._slots.free()
+        if self.burst and self._lease_mode is not None and self._lease_mode.passed_over():
+            maybe_more = True
+        if self._lease_mode is not None and self._lease_mode.isolating():
+            # A suspect runs alone. Look again once it has finished.
+            free, maybe_more = 0, True
+        if self.max_jobs is not None:
+            free = min(free, self.max_jobs - self.stats.claimed)
+        return free, maybe_more
+
+    def _outage(self, exc: Exception, completer: Completer, backoff: ReconnectBackoff) -> float:
+        """The database is unavailable to the producer: wait to reconnect. Returns when the
+        statement failed (monotonic)."""
+        failed_at = time.monotonic()
+        # The completer retries its writes itself, on its own connection.
+        completer.ride(False)
+        self.store.close()
+        backoff.failed(self.database, exc, self.stopping)
+        return failed_at
+
+    def _done(self, got: int, free: int) -> bool:
+        """Whether the run is over: nothing running, and a burst's claim found nothing or
+        ``max_jobs`` were claimed."""
+        # A burst ends on an empty claim, unless it was a busy one that left suspects out.
+        lease_mode = self._lease_mode
+        passed_over = lease_mode is not None and bool(lease_mode.skipped)
+        return self._slots.inflight == 0 and (
+            (self.burst and got == 0 and free > 0 and not passed_over)
+            or self.max_jobs == self.stats.claimed
+        )
 
     def _claims_next(self, maybe_more: bool) -> bool:
         """Whether the producer will make a plain claim when a slot frees (only a plain claim
@@ -556,14 +604,16 @@ class Worker:
             and lease_mode.solo is None
         )
 
-    def _look(self, since: float) -> float | None:
+    def _look(self, since: float) -> tuple[float | None, bool]:
         """Learn which of our queues need the guarded claim; return the monotonic time when
         a claim may find more (a deferred job comes due, a rate window the claim sent
-        ``since`` seconds ago found full has room), if any."""
+        ``since`` seconds ago found full has room), if any, and whether a queue needs the
+        guarded claim that did not before."""
+        guarded = self._guarded
         outlook = self.store.outlook(self.queues, since)
         self._guarded = outlook.guarded
         times = [t for t in (outlook.due, outlook.rate_free) if t is not None]
-        return time.monotonic() + min(times) if times else None
+        return (time.monotonic() + min(times) if times else None), bool(self._guarded - guarded)
 
     def _record(self, tick: float) -> dict[str, Any]:
         """This worker's registry row (``upkeep.WORKER_BEAT``)."""
@@ -579,18 +629,6 @@ class Worker:
             "ttl": timedelta(seconds=BEATS_TO_EXPIRY * tick + self.lease.total_seconds()),
         }
 
-    def _stuck(self) -> int:
-        return sum(self._stuck_parts())
-
-    def _stuck_parts(self) -> tuple[int, int]:
-        """Abandoned executor threads still alive (stuck in a job past its timeout), and
-        async jobs still running ``LOOP_STUCK_AFTER`` after their timeout cancelled them."""
-        late = time.monotonic() - LOOP_STUCK_AFTER
-        with self._lock:
-            cancelled = list(self._timed_out_async.values())
-        threads = sum(e.abandoned and e.is_alive() for e in self._executors)
-        return threads, sum(at < late for at in cancelled)
-
     def _on_timeout(self, job: Any) -> None:
         """A job ran past its timeout (its failure is on its way): replace its executor.
 
@@ -601,14 +639,9 @@ class Worker:
         """
         if self._loop is not None and registry.runs_async(job.task):
             # Its task is being cancelled: the loop answers once that cancel is delivered,
-            # unless a job blocks it (the producer's tick looks, ``_loop_stuck()``), and the
+            # unless a job blocks it (the producer's tick looks, ``StuckJobs.look()``), and the
             # task ends, unless the job catches the cancel (the tick counts it as stuck).
-            attempt = (job.id, job.attempts)
-            with self._lock:
-                # Only while its task runs: the cancel went out before this call, and a task
-                # that heeded it may have ended already.
-                if attempt in self._on_loop:
-                    self._timed_out_async[attempt] = time.monotonic()
+            self._stuck_jobs.cancelled((job.id, job.attempts), self._slots.on_loop)
             self._loop.ping()
             return
         executor = next((e for e in self._executors if e.abandon(job)), None)
@@ -639,96 +672,10 @@ class Worker:
             extra={"action": "fail", "job_id": job.id, "worker_id": self.worker_id},
         )
         self._job_done(job)
-        self._count_stuck()
-
-    def _count_stuck(self) -> None:
-        """Past ``max_stuck`` jobs stuck beyond their timeout (``_stuck()``), stop: the
-        process is leaking threads or loop slots (and maybe connections and locks), and only
-        a restart frees them."""
-        threads, tasks = self._stuck_parts()
-        if threads + tasks > self.max_stuck and not self.stuck:
-            self.stuck = True
-            logger.error(
-                "worker %s has %s stuck in jobs that ran past their timeout "
-                "(PGJOBS['MAX_STUCK_EXECUTORS'] is %s): stopping claims and exiting with "
-                "status %s so that a fresh process replaces this one",
-                self.worker_id,
-                " and ".join(
-                    f"{count} {what}"
-                    for count, what in (
-                        (threads, "executor threads"),
-                        (tasks, "async jobs' tasks (they caught their cancel)"),
-                    )
-                    if count
-                ),
-                self.max_stuck,
-                EXIT_STUCK,
-                extra={"action": "shutdown", "worker_id": self.worker_id},
-            )
-            self.stop()
-
-    def _loop_stuck(self) -> None:
-        """The event loop left the ping after a timeout's cancel unanswered too long: a job
-        blocks it, and every async job of this worker is frozen behind it (their heartbeats
-        go on, from the completer). A loop cannot be replaced like an executor, as its other
-        tasks live on it: stop, as past ``max_stuck`` stuck executors, so that a fresh
-        process takes over. The frozen jobs' leases are ended on the way out."""
-        if self.stuck:
-            return
-        self.stuck = True
-        logger.error(
-            "worker %s: its event loop has not run for %.0f s after an async job's timeout "
-            "cancelled its task (an async job blocks it: it computes, or calls blocking code); "
-            "stopping claims and exiting with status %s so that a fresh process replaces this "
-            "one",
-            self.worker_id,
-            self._loop.unanswered() if self._loop is not None else 0.0,
-            EXIT_STUCK,
-            extra={"action": "shutdown", "worker_id": self.worker_id},
-        )
-        self.stop()
-
-    def _free(self) -> int:
-        """How many jobs the next round may claim, over every pool (``_room()``)."""
-        return sum(self._room(pool)[0] for pool in self._slots)
-
-    def _room(self, pool: str) -> tuple[int, execute.TextArray | None]:
-        """How many jobs a claim for a queue of ``pool`` may take, and of which tasks (None:
-        any the worker claims).
-
-        A claim cannot choose how many of its jobs are sync and how many async, so with an
-        event loop it takes no more than both the pool's executor slots and the loop have
-        free: whatever the mix, no job waits for room, leased but not running. When only
-        one side has room, the claim takes only that side's tasks (the loop's only while
-        the latest claims found async jobs, or the loop runs some: a worker whose queues
-        hold sync jobs only claims as it would without a loop). An async job under a
-        queue's own slots takes one of them as well as one of the loop's."""
-        with self._lock:
-            threads = self._slots[pool] - self._busy[pool]
-            if self._loop is None:
-                return threads, None
-            loop = self.async_concurrency - len(self._on_loop)
-            async_likely = self._async_seen or bool(self._on_loop)
-        if threads > 0 and loop > 0:
-            return min(threads, loop), None
-        if threads > 0:
-            return threads, self._sync_tasks
-        if loop > 0 and async_likely and pool == SHARED:
-            return loop, self._async_tasks
-        return 0, None
-
-    def _pool(self, queue_name: str) -> str:
-        """The slots a queue's jobs run in: its own, or the shared ones."""
-        return queue_name if queue_name in self._slots else SHARED
+        self._stuck_jobs.check()
 
     def _job_done(self, item: Any) -> None:
-        pool = self._pool(item.queue)
-        with self._lock:
-            self._inflight -= 1
-            if self._busy[pool] == self._slots[pool]:
-                # Its queues were passed over while the pool was full.
-                self._freed = True
-            self._busy[pool] -= 1
+        self._slots.thread_done(item)
         self._slot_freed()
 
     def _slot_freed(self) -> None:
@@ -742,19 +689,9 @@ class Worker:
 
     def _async_done(self, job: Any) -> None:
         """An async job's task ended (called on the loop's thread)."""
-        pool = self._pool(job.queue)
-        attempt = (job.id, job.attempts)
-        with self._lock:
-            self._inflight -= 1
-            if len(self._on_loop) == self.async_concurrency:
-                # The loop was full: its slot freed, its queues may be claimed again.
-                self._freed = True
-            self._on_loop.discard(attempt)
-            self._timed_out_async.pop(attempt, None)
-            if pool != SHARED:
-                if self._busy[pool] == self._slots[pool]:
-                    self._freed = True
-                self._busy[pool] -= 1
+        self._slots.loop_done(job)
+        # After its slot: a timeout marks a job only while it holds one, so no mark is left.
+        self._stuck_jobs.ended((job.id, job.attempts))
         self._slot_freed()
 
     def _hand_out(self, *items: Any) -> None:
@@ -765,18 +702,7 @@ class Worker:
             on_threads = []
             for item in items:
                 (on_loop if registry.runs_async(item.task) else on_threads).append(item)
-        with self._lock:
-            self._inflight += len(items)
-            for item in on_threads:
-                self._busy[self._pool(item.queue)] += 1
-            if items:
-                self._async_seen = bool(on_loop)
-            self._on_loop.update((item.id, item.attempts) for item in on_loop)
-            for item in on_loop:
-                # Under a queue's own limit an async job takes one of its slots too.
-                pool = self._pool(item.queue)
-                if pool != SHARED:
-                    self._busy[pool] += 1
+        self._slots.take(on_threads, on_loop)
         for item in on_threads:
             self._handoff.put(item)
         if loop is not None:
@@ -811,7 +737,7 @@ class Worker:
             if self.stopping.is_set():
                 break
             queue_name = self.queues[(self._next_queue + offset) % len(self.queues)]
-            room, tasks = self._room(self._pool(queue_name))
+            room, tasks = self._slots.room(self._slots.pool(queue_name))
             asked = min(room, budget - got)
             if asked <= 0:
                 continue
@@ -855,9 +781,9 @@ class Worker:
                     break
                 executor.join(min(left, SHUTDOWN_STEP))
         still = [e.name for e in executors if e.is_alive() and not e.abandoned]
-        while self._on_loop and time.monotonic() < deadline:
+        while self._slots.on_loop and time.monotonic() < deadline:
             time.sleep(SHUTDOWN_STEP)
-        still.extend(["async job"] * len(self._on_loop))
+        still.extend(["async job"] * len(self._slots.on_loop))
         completer.close(timeout=max(self.shutdown_timeout, 5.0))
         if still:
             # Their jobs (and any outcome the completer could not write) are still ours:
@@ -871,7 +797,7 @@ class Worker:
                 self._expire_held(),
                 extra={"action": "shutdown", "worker_id": self.worker_id},
             )
-        if self._loop is not None and not self._on_loop:
+        if self._loop is not None and not self._slots.on_loop:
             # Jobs still running after the timeout keep the loop: their leases are ended,
             # and the process exits.
             self._loop.close()

@@ -11,8 +11,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django_pgjobs.core import conf, validation
 from django_pgjobs.exceptions import InvalidJobOptions, MetricsUnavailable
 from django_pgjobs.worker import Worker
+from django_pgjobs.worker.stuck import EXIT_STUCK
 from django_pgjobs.worker.supervisor import Supervisor, child_command
-from django_pgjobs.worker.worker import EXIT_STUCK
 
 
 class Command(BaseCommand):
