@@ -9,43 +9,37 @@ shorter of its poll and reap intervals: serverless Postgres may suspend in betwe
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
 import math
 import os
 import queue
-import signal
 import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from types import FrameType
 from typing import Any
 
 import psycopg
-from django.db import DatabaseError, connections
+from django.db import DatabaseError
 
 import django_pgjobs
-from django_pgjobs.core import conf, execute, finish, registry, schedules, upkeep, validation
-from django_pgjobs.core.connections import connection_params
+from django_pgjobs.core import conf, execute, registry, schedules, upkeep, validation
 from django_pgjobs.core.types import default_worker_id
-from django_pgjobs.exceptions import InvalidJobOptions
 from django_pgjobs.notify import Listener
-from django_pgjobs.worker import metrics
 from django_pgjobs.worker.completer import Completer
 from django_pgjobs.worker.db import ReconnectBackoff, unavailable
 from django_pgjobs.worker.executor import Executor, Shared
 from django_pgjobs.worker.lease import LeaseMode
 from django_pgjobs.worker.loop import EventLoop
 from django_pgjobs.worker.metrics import WorkerMetrics
+from django_pgjobs.worker.options import Configured
 from django_pgjobs.worker.outcomes import WorkerStats
 from django_pgjobs.worker.scheduler import Scheduler
-from django_pgjobs.worker.slots import Slots
-from django_pgjobs.worker.store import Store
+from django_pgjobs.worker.shutdown import Stopping
 from django_pgjobs.worker.stuck import StuckJobs
 from django_pgjobs.worker.transaction import TransactionMode
 
@@ -53,16 +47,12 @@ logger = logging.getLogger("django_pgjobs.worker")
 
 __all__ = ["Worker", "WorkerStats"]
 
-# Seconds a worker exiting at once (a second signal) may spend ending its jobs' leases.
-EXIT_TIMEOUT = 3
-# Seconds between two looks at an executor the shutdown waits for (was it abandoned since?).
-SHUTDOWN_STEP = 0.1
 # A worker's registry row outlives its latest beat by this many of its ticks (a busy machine
 # may run a tick late), then the reaper clears it.
 BEATS_TO_EXPIRY = 3
 
 
-class Worker:
+class Worker(Configured, Stopping):
     """Run jobs from ``queues`` until stopped (or, with ``burst``, until none is ready).
 
     ``queues`` is a list of names, each optionally ``NAME=N`` (this worker runs at most N of
@@ -137,103 +127,6 @@ class Worker:
         self._lease_mode: LeaseMode | None = None
         self._serve_on(metrics_port, metrics_addr)
 
-    def _size_slots(
-        self,
-        queues: Sequence[str] | Mapping[str, int | None] | None,
-        concurrency: int | None,
-        async_concurrency: int | None,
-    ) -> None:
-        # Each queue's own slot limit in this process (None: it shares `concurrency`).
-        self.limits = validation.queue_limits(queues or [conf.default_queue()])
-        self.queues = list(self.limits)
-        self.concurrency = validation.positive_int(
-            "concurrency", conf.concurrency() if concurrency is None else concurrency
-        )
-        # async def jobs run on one event-loop thread, up to this many at once, apart from
-        # the executor threads' slots (a queue with a limit of its own still counts them).
-        self.async_concurrency = validation.positive_int(
-            "async_concurrency",
-            conf.async_concurrency() if async_concurrency is None else async_concurrency,
-        )
-        self._slots = Slots(self.limits, self.concurrency, self.async_concurrency, self._lock)
-        # Started by run() only when async def jobs are registered (in lease mode).
-        self._loop: EventLoop | None = None
-
-    def _claim_options(
-        self,
-        registered_only: bool | None,
-        batch_size: int | None,
-        lease: float | timedelta | None,
-        poll_interval: float | None,
-        reap_interval: float | None,
-        mode: str | None,
-        max_jobs: int | None,
-    ) -> None:
-        self.registered_only = (
-            conf.claim_registered_only()
-            if registered_only is None
-            else validation.choice("registered_only", registered_only, (True, False))
-        )
-        self.batch_size = validation.positive_int(
-            "batch_size", conf.batch_size() if batch_size is None else batch_size
-        )
-        # Each option is checked by the same validator as its PGJOBS setting.
-        self.lease = (
-            conf.lease() if lease is None else validation.duration("lease", lease, minimum=1)
-        )
-        self.poll_interval = (
-            conf.poll_interval()
-            if poll_interval is None
-            else validation.seconds("poll_interval", poll_interval, minimum=0.01)
-        )
-        self.reap_interval = (
-            conf.reap_interval()
-            if reap_interval is None
-            else validation.seconds("reap_interval", reap_interval, minimum=0)
-        )
-        self.mode = conf.mode() if mode is None else validation.mode(mode)
-        self.max_jobs = None if max_jobs is None else validation.positive_int("max_jobs", max_jobs)
-
-    def _databases(
-        self, database: str | None, listen_database: str | None, shutdown_timeout: float | None
-    ) -> None:
-        self.database = (
-            conf.database() if database is None else str(validation.alias(database, "database"))
-        )
-        self.listen_database = (
-            str(validation.alias(listen_database, "listen_database"))
-            if listen_database is not None
-            else conf.listen_database() or self.database
-        )
-        self.shutdown_timeout = (
-            conf.shutdown_timeout()
-            if shutdown_timeout is None
-            else validation.seconds("shutdown_timeout", shutdown_timeout, minimum=0)
-        )
-        # Lease mode's claims and outcomes are the worker's own transactions, on connections
-        # of its own; in transaction mode they share the job's transaction, which keeps the
-        # server's durability.
-        lease_mode = self.mode == "lease"
-        self.store = Store(
-            self.database,
-            direct=lease_mode,
-            synchronous_commit=conf.worker_synchronous_commit() if lease_mode else None,
-            prepare=conf.prepare(),
-            tasks=registry.names() if self.registered_only else None,
-        )
-
-    def _serve_on(self, metrics_port: int | None, metrics_addr: str | None) -> None:
-        # Only a worker asked to serve metrics keeps any (MetricsUnavailable without the
-        # prometheus extra).
-        if metrics_addr is not None and metrics_port is None:
-            raise InvalidJobOptions(
-                f"metrics_addr {validation.show(metrics_addr)} is the address of the metrics "
-                "server, which only metrics_port starts (runjobs --metrics-port PORT)."
-            )
-        self.metrics_port = None if metrics_port is None else metrics.port(metrics_port)
-        self.metrics_addr = metrics.address("127.0.0.1" if metrics_addr is None else metrics_addr)
-        self.metrics = WorkerMetrics() if self.metrics_port is not None else None
-
     @property
     def stuck(self) -> bool:
         """Whether too many jobs got stuck past their timeout, or a job blocked the event loop
@@ -241,75 +134,6 @@ class Worker:
         return self._stuck_jobs.stuck
 
     # -- control -------------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Begin a graceful shutdown: claim nothing more, finish or release what we hold."""
-        self.stopping.set()
-        self._wake.set()
-
-    def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT: the first stops gracefully, the second exits at once."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signals += 1
-        name = signal.Signals(signum).name
-        if self._signals > 2:
-            # A third signal interrupts the second's exit (in _expire_held): let it finish.
-            return
-        if self._signals > 1:
-            try:
-                expired = self._expire_held()
-                logger.warning(
-                    "%s again: exiting now; the leases of %s jobs it held end now, and the "
-                    "next reap requeues them",
-                    name,
-                    expired,
-                    extra={"action": "shutdown", "worker_id": self.worker_id},
-                )
-            finally:
-                os._exit(1)
-        logger.info(
-            "%s: stopping (running jobs may take %.0f s to finish; signal again to exit now)",
-            name,
-            self.shutdown_timeout,
-            extra={"action": "shutdown", "worker_id": self.worker_id},
-        )
-        # Not stop() here: the handler runs in the producer's thread, which may hold the lock
-        # of the very Event that stop() sets (inside wait() or clear()), and that lock is not
-        # reentrant. A thread of its own sets them; a daemon one, whose start takes no lock
-        # the interrupted thread could hold. (During interpreter shutdown no thread can
-        # start, and nothing is left to stop.)
-        with contextlib.suppress(RuntimeError):
-            threading.Thread(target=self.stop, name="pgjobs-stop", daemon=True).start()
-
-    def _expire_held(self) -> int:
-        """End the leases of every job this worker holds, so the next reap requeues them
-        (with no crash counted: finish.EXPIRE_LEASE).
-
-        One fenced statement on a fresh connection (the producer's may be mid-statement under
-        this signal handler), bounded to a few seconds: an exit at once must not hang on an
-        unreachable database. Returns how many leases ended; on any error, none (they expire
-        on their own)."""
-        held = self._completer.held() if self._completer is not None else []
-        if not held:
-            return 0
-        try:
-            params = connection_params(self.database, "pgjobs-exit")
-            # The alias's own timeouts and options are kept, within the exit's bound.
-            timeout = min(int(params.get("connect_timeout", EXIT_TIMEOUT)), EXIT_TIMEOUT)
-            params["connect_timeout"] = timeout
-            params["options"] = f"{params.get('options', '')} -c statement_timeout={timeout}s"
-            with psycopg.connect(**params, autocommit=True) as conn:
-                return len(finish.expire_lease(conn, held, synchronous_commit=None))
-        except Exception:
-            logger.exception(
-                "could not end the leases of %s jobs; they come back after their lease",
-                len(held),
-                extra={"action": "shutdown", "worker_id": self.worker_id},
-            )
-            return 0
 
     def _on_notify(self) -> None:
         self._notified += 1
@@ -758,62 +582,3 @@ class Worker:
                 break
         self._next_queue = (self._next_queue + 1) % len(self.queues)
         return got, more
-
-    def _shut_down(
-        self, executors: list[Executor], completer: Completer, listener: Listener | None
-    ) -> None:
-        with self._lock:
-            self.stopping.set()
-            # Abandoned executors take no more items and are not waited for: their jobs, past
-            # their timeout, are failed already.
-            executors = [e for e in executors if not e.abandoned]
-            for _ in executors:
-                self._handoff.put(None)
-        if listener is not None:
-            listener.stop()
-        deadline = time.monotonic() + self.shutdown_timeout
-        for executor in executors:
-            # In short steps: an executor abandoned meanwhile (its job timed out during the
-            # shutdown) is not waited for either.
-            while executor.is_alive() and not executor.abandoned:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                executor.join(min(left, SHUTDOWN_STEP))
-        still = [e.name for e in executors if e.is_alive() and not e.abandoned]
-        while self._slots.on_loop and time.monotonic() < deadline:
-            time.sleep(SHUTDOWN_STEP)
-        still.extend(["async job"] * len(self._slots.on_loop))
-        completer.close(timeout=max(self.shutdown_timeout, 5.0))
-        if still:
-            # Their jobs (and any outcome the completer could not write) are still ours:
-            # end their leases on purpose, so the next reap requeues them at once and counts
-            # no crash (a deploy is no worker death).
-            logger.warning(
-                "%s jobs still running after the %.0f s shutdown timeout; their leases end "
-                "now (%s ended) and the next reap requeues them",
-                len(still),
-                self.shutdown_timeout,
-                self._expire_held(),
-                extra={"action": "shutdown", "worker_id": self.worker_id},
-            )
-        if self._loop is not None and not self._slots.on_loop:
-            # Jobs still running after the timeout keep the loop: their leases are ended,
-            # and the process exits.
-            self._loop.close()
-        if listener is not None:
-            listener.join(timeout=5.0)
-        try:
-            self.store.gone(self.worker_id)
-        except (DatabaseError, psycopg.Error):
-            # The row expires on its own; the reaper clears it.
-            logger.warning(
-                "worker %s could not delete its registry row; it expires on its own",
-                self.worker_id,
-                exc_info=True,
-                extra={"action": "stop", "worker_id": self.worker_id},
-            )
-        self.store.close()
-        if self.metrics is not None:
-            self.metrics.close()
-        connections.close_all()
