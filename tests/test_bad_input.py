@@ -303,6 +303,18 @@ def test_the_longest_unique_key_fits_the_index() -> None:
             r"unique_while 'active' for task 'testproject.testjobs.noop' without a unique key",
             id="mode-without-key",
         ),
+        # A bad window with no key is reported as the missing key (the keys are checked
+        # first), and the window after the time and the payloads.
+        pytest.param(
+            lambda: Job.objects.enqueue(noop, unique_while="bogus"),
+            r"unique_while 'bogus' for task 'testproject.testjobs.noop' without a unique key",
+            id="bad-mode-without-key",
+        ),
+        pytest.param(
+            lambda: Job.objects.enqueue(noop, unique_key="k", unique_while="bogus", run_at="x"),
+            r"Invalid run_at 'x'",
+            id="time-before-mode",
+        ),
         pytest.param(
             lambda: Job.objects.enqueue_many(noop, [{}], unique_key="k"),
             r"Invalid unique_key 'k' for enqueue_many\(\): use a callable",

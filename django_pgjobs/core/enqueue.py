@@ -26,6 +26,7 @@ from django_pgjobs import signals
 from django_pgjobs.core import conf, registry, validation
 from django_pgjobs.core.execute import run
 from django_pgjobs.core.options import JobOptions, payload_keys, unique_keys
+from django_pgjobs.core.options import unique_while as held_while
 from django_pgjobs.exceptions import UniqueKeyBusy
 from django_pgjobs.notify import notify_on_commit
 
@@ -329,18 +330,14 @@ def plan(
     """Check every option and payload (nothing is sent before) and shape the INSERT."""
     func = registry.resolve(task)
     options = JobOptions.resolve(
-        func,
-        queue=queue,
-        priority=priority,
-        max_attempts=max_attempts,
-        timeout=timeout,
-        unique_while=unique_while,
+        func, queue=queue, priority=priority, max_attempts=max_attempts, timeout=timeout
     )
     fields = options.columns()
     when, wait = validation.schedule(run_at, delay)
     checked = [validation.checked_payload(p) for p in payloads]
     keys = unique_keys(func, payloads, unique_key, unique_while)
     locks = payload_keys(func, payloads, lock_key, "lock_key")
+    mode = held_while(func, unique_while)
     connection = manager.connection()
     # Outside atomic() the INSERT sends its own NOTIFY: in autocommit it is the whole
     # transaction ("auto"); under manual transaction management (set_autocommit(False))
@@ -353,7 +350,7 @@ def plan(
         "run_at": when,
         "delay": wait,
         "notify_channel": conf.channel() if here else None,
-        "unique_while": options.unique_while if keys else None,
+        "unique_while": mode if keys else None,
     }
     return Plan(
         manager, connection, fields, params, checked, keys, locks, here, not func.stores_result

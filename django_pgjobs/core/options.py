@@ -23,15 +23,15 @@ KeySource = str | Callable[[dict[str, Any]], str | None] | None
 
 @dataclass(frozen=True, slots=True)
 class JobOptions:
-    """The columns a new job's row takes from its options (``unique_while`` the mode a key is
-    held in, used only by jobs with a unique key)."""
+    """The columns a new job's row takes from its options. The keys (``unique_key`` with
+    ``unique_while``, ``lock_key``) are each payload's: ``unique_keys()``, ``payload_keys()``
+    and ``unique_while()`` below."""
 
     task: str
     queue: str
     priority: int
     max_attempts: int
     timeout: timedelta | None
-    unique_while: str
 
     @classmethod
     def resolve(
@@ -42,7 +42,6 @@ class JobOptions:
         priority: int | None = None,
         max_attempts: int | None = None,
         timeout: Any = None,
-        unique_while: str | None = None,
     ) -> JobOptions:
         """Each option given, else the ``@job``'s, else the settings'. ``is None``, never
         ``or``: an empty (or otherwise bad) queue name is an error, not a request for the
@@ -59,13 +58,10 @@ class JobOptions:
                 else func.max_attempts or conf.max_attempts()
             ),
             timeout=func.timeout if timeout is None else validation.timeout(timeout),
-            unique_while=validation.unique_while(
-                func.unique_while if unique_while is None else unique_while
-            ),
         )
 
     def columns(self) -> dict[str, Any]:
-        """The row's columns these options fill (``unique_while`` aside: only a keyed job's)."""
+        """The row's columns these options fill."""
         return {
             "task": self.task,
             "queue": self.queue,
@@ -109,3 +105,9 @@ def payload_keys(
             None if key is None else validation.unique_key(key, f"{option} of {func.name}")
         )
     return found if any(key is not None for key in found) else None
+
+
+def unique_while(func: JobFunction[..., Any], given: str | None) -> str:
+    """The window a unique key is held in: the one given, else the ``@job``'s. Checked after
+    the keys, so that a ``unique_while`` without any key is reported as that."""
+    return validation.unique_while(func.unique_while if given is None else given)
