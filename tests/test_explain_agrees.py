@@ -3,10 +3,10 @@ is claimed exactly when explain() says nothing holds it back.
 
 Each state is written in a savepoint that is rolled back after it, so the states share one
 test transaction (and its frozen ``now()``). The claim is the fleet's as the state has it:
-each live worker that serves the queue claims for its registered tasks, a busy one (suspects
-wait for an idle worker, as explain() says), first the plain claim and then, in lease mode, the
-guarded one, as a worker does once its outlook names the queue guarded. A reason other than
-"next" or "ahead" (jobs before it, which a claim of ten takes along) is a hold.
+each live worker that serves the queue claims for its registered tasks as a busy worker does
+(suspects wait for an idle one, as explain() says): first the plain claim, then its outlook,
+and, in lease mode, the guarded claim when the outlook names the queue guarded. A reason other
+than "next" or "ahead" (jobs before it, which a claim of ten takes along) is a hold.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class State:
     queue: str  # "none", "paused", "full", "room", "rate_full", "rate_room"
     worker: str  # "none", "lease", "lease_other_task", "transaction", "other_queue"
     earlier: bool  # another ready job of the queue comes before it
+    sibling: bool  # a ready job with the same lock key comes before it (only with a key)
 
 
 def states() -> list[State]:
@@ -50,9 +51,10 @@ def states() -> list[State]:
         ("none", "paused", "full", "room", "rate_full", "rate_room"),
         ("none", "lease", "lease_other_task", "transaction", "other_queue"),
         (True, False),
+        (True, False),
     )
-    # A key can only be held when the job has one.
-    return [State(*values) for values in every if values[1] or not values[2]]
+    # A key can only be held, or shared with a sibling, when the job has one.
+    return [State(*values) for values in every if values[1] or not (values[2] or values[7])]
 
 
 def write(state: State) -> int:
@@ -82,6 +84,8 @@ def write(state: State) -> int:
         )
     if state.earlier:
         make_job(queue=QUEUE, priority=5)
+    if state.sibling:
+        keyed(make_job(queue=QUEUE, priority=3))
     if state.worker != "none":
         served = "elsewhere" if state.worker == "other_queue" else QUEUE
         tasks = [OTHER_TASK] if state.worker == "lease_other_task" else [TASK]
@@ -118,7 +122,8 @@ def claimed(state: State) -> set[int]:
         "tasks": TextArray.of(tasks),
     }
     jobs = claim.claim(connection, **common)
-    if state.worker != "transaction":
+    guarded = QUEUE in claim.outlook(connection, [QUEUE]).guarded
+    if guarded and state.worker != "transaction":
         jobs += claim.claim(connection, guarded=True, **common)
     return {job.id for job in jobs}
 
