@@ -757,7 +757,7 @@ def ceiling_script(batch: int) -> str:
     known_complete = {"claims", "synchronous_commit"}
     if not claim_params <= known_claim or not complete_params <= known_complete:
         raise BenchAbort(
-            "sql.CLAIM/COMPLETE take parameters this script does not know: "
+            "core.claim.CLAIM and core.finish.COMPLETE take parameters this script does not know: "
             f"{sorted((claim_params - known_claim) | (complete_params - known_complete))}"
         )
     claim_sql = re.sub(
