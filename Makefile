@@ -10,6 +10,7 @@ WITH_DB := $(BIN)/python scripts/pgserver.py run --
 # processes than cores pay. Each has a test database of its own; --dist loadgroup keeps the
 # tests of an xdist_group (a module sharing one throwaway server) in one process.
 PYTEST_PROCESSES ?= 4
+export PYTEST_PROCESSES
 XDIST := -n $(PYTEST_PROCESSES) --dist loadgroup
 
 .PHONY: install test test-wheel lint docs demo clean matrix bench
@@ -60,8 +61,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .coverage.*
 
 # The Python x Django matrix (tox.ini): the whole suite on each combination whose
-# interpreter this machine has.
+# interpreter this machine has; TOX_PARALLEL=N runs N envs at once (tox run-parallel).
 # tox does not see pyenv's inactive versions on PATH: point it at every installed one.
 PYENV_PYTHONS := $(wildcard $(shell pyenv root 2>/dev/null)/versions/*/bin/python3)
+TOX := $(BIN)/tox $(if $(TOX_PARALLEL),run-parallel --parallel $(TOX_PARALLEL),run)
+TOX_DISCOVER := $(if $(PYENV_PYTHONS),--discover $(PYENV_PYTHONS))
 matrix: $(STAMP)
-	$(WITH_DB) $(BIN)/tox run $(if $(PYENV_PYTHONS),--discover $(PYENV_PYTHONS)) $(TOX_ARGS)
+	$(WITH_DB) $(TOX) $(TOX_DISCOVER) $(TOX_ARGS)
