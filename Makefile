@@ -5,6 +5,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WITH_DB := $(BIN)/python scripts/pgserver.py run --
+# pytest runs the tests in this many processes (pytest-xdist; 0: in this one): most of a
+# test's time is spent waiting for worker processes and the database, not on a core, so more
+# processes than cores pay. Each has a test database of its own; --dist loadgroup keeps the
+# tests of an xdist_group (a module sharing one throwaway server) in one process.
+PYTEST_PROCESSES ?= 4
+export PYTEST_PROCESSES
+XDIST := -n $(PYTEST_PROCESSES) --dist loadgroup
 
 .PHONY: install test test-wheel lint docs demo clean matrix bench
 
@@ -23,7 +30,7 @@ test: $(STAMP)
 	$(BIN)/mypy django_pgjobs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(VENV)/site
 	rm -f .coverage .coverage.*
-	$(WITH_DB) env COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/coverage run -m pytest $(PYTEST_ARGS)
+	$(WITH_DB) env COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/coverage run -m pytest $(XDIST) $(PYTEST_ARGS)
 	$(BIN)/coverage combine --quiet
 	$(if $(PYTEST_ARGS),@echo "coverage floor not checked: PYTEST_ARGS ran part of the suite",$(BIN)/coverage report)
 
@@ -32,7 +39,7 @@ test: $(STAMP)
 # fsync on as on a real server (the WAL-flush test needs it), and the servers the tests start
 # themselves come from the wheel too. Lint and coverage are make test's business.
 test-wheel: $(STAMP)
-	$(BIN)/python scripts/pgserver.py run --wheel --fsync -- $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python scripts/pgserver.py run --wheel --fsync -- $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -54,8 +61,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .coverage.*
 
 # The Python x Django matrix (tox.ini): the whole suite on each combination whose
-# interpreter this machine has.
+# interpreter this machine has; TOX_PARALLEL=N runs N envs at once (tox run-parallel).
 # tox does not see pyenv's inactive versions on PATH: point it at every installed one.
 PYENV_PYTHONS := $(wildcard $(shell pyenv root 2>/dev/null)/versions/*/bin/python3)
+TOX := $(BIN)/tox $(if $(TOX_PARALLEL),run-parallel --parallel $(TOX_PARALLEL),run)
+TOX_DISCOVER := $(if $(PYENV_PYTHONS),--discover $(PYENV_PYTHONS))
 matrix: $(STAMP)
-	$(WITH_DB) $(BIN)/tox run $(if $(PYENV_PYTHONS),--discover $(PYENV_PYTHONS)) $(TOX_ARGS)
+	$(WITH_DB) $(TOX) $(TOX_DISCOVER) $(TOX_ARGS)

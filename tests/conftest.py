@@ -1,8 +1,15 @@
 """Suite-wide guards. The database is PostgreSQL from DATABASE_URL (see testproject.settings);
-pytest-django creates the test database from the app's migrations."""
+pytest-django creates the test database from the app's migrations.
+
+The suite runs in several processes (pytest-xdist, ``-n`` in the Makefile and tox.ini), each
+with a test database of its own on the one server (pytest-django's ``_gw0``, ``_gw1``, ...
+suffixes), which the worker processes a test starts are pointed at too (tests/workers.py). A
+test that cannot share the server with the others is marked ``serial`` (see ``_alone``)."""
 
 from __future__ import annotations
 
+import fcntl
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +51,33 @@ def _threads_finish() -> Iterator[None]:
         ),
         message="the test's threads to finish",
     )
+
+
+@pytest.fixture(autouse=True)
+def _alone(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``serial`` runs while no other test runs on the same server: it counts
+    something the whole server shares (its WAL syncs). Every test holds a shared lock on a file
+    named after the server while it runs, whichever pytest process it is in (pytest-xdist's,
+    or another run's, such as a tox env's); a serial one holds it exclusively. A second lock,
+    taken by each before the first and released at once, is the queue: a serial test waiting
+    for the others to finish holds it, so that no new test starts in the meantime."""
+    db = settings.DATABASES["default"]
+    server = f"{db.get('HOST') or 'socket'}-{db.get('PORT') or 5432}"
+    mode = fcntl.LOCK_EX if request.node.get_closest_marker("serial") else fcntl.LOCK_SH
+    folder = Path(tempfile.gettempdir())
+    with (
+        open(folder / f"pgjobs-tests-{server}.queue", "a") as queue,
+        open(folder / f"pgjobs-tests-{server}.lock", "a") as lock,
+    ):
+        fcntl.flock(queue, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, mode)
+        finally:
+            fcntl.flock(queue, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture

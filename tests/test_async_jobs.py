@@ -425,8 +425,11 @@ def test_async_jobs_whose_queries_meet_an_outage_are_released_and_run_again(
     connection that outlives them all: once it is dropped, the jobs that meet it are released
     (not blamed), and the connection is mended for the next ones. A query inside atomic()
     finds at the block's end a fresh connection Django opened: that too is the outage."""
-    ids = naps(10, 2.0, atomically=atomically)
     worker = start(workers, "--poll-interval", "1")
+    # Its LISTEN connection up too (one of the connections the outage drops): on a busy
+    # machine the jobs of the first claim could start before it.
+    wait_until(listener_backends, message="the worker to listen")
+    ids = naps(10, 2.0, atomically=atomically)
     wait_until(lambda: started() == 10, message="the 10 jobs to start")
     # Every connection of the worker, the async jobs' one included: each job's closing record
     # runs into it.

@@ -41,6 +41,9 @@ from scripts.pgserver import ThrowawayPostgres
 from tests.helpers import NOOP, PLAIN_COLUMNS, TIME_COLUMNS, wait_until, worker_record
 from tests.workers import Workers, ran
 
+# In one pytest-xdist process (--dist loadgroup): the module's server is started once.
+pytestmark = pytest.mark.xdist_group("doctor")
+
 SCALE_FACTOR = "autovacuum_vacuum_scale_factor=0.01"
 DEAD_ROWS = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'pgjobs_job'::regclass"
 # How long the doctor counts the table as unvacuumed (the same expression as its TABLE_HEALTH).

@@ -223,6 +223,7 @@ def test_a_lease_mode_worker_refuses_a_bad_setting() -> None:
         Worker(mode="lease")
 
 
+@pytest.mark.serial  # the other tests' commits would count among the server's WAL syncs
 def test_off_really_skips_the_flush_at_commit() -> None:
     # pg_stat_wal counts the server's WAL syncs (fdatasync): a synchronous commit waits for
     # one, an asynchronous one leaves the flush to the WAL writer (every 200 ms by default).

@@ -25,6 +25,7 @@ from tests.workers import (
     query,
     ride_audit_installed,
     rides,
+    running,
     terminate,
 )
 
@@ -66,7 +67,12 @@ def sigkill_mid_run_then_reap_and_finish(workers: Workers, with_claims: bool) ->
     ride = {"PGJOBS_COMPLETE_WITH_CLAIM": str(with_claims).lower()}
     Job.objects.enqueue_many(sleep, [{"seconds": 0.01 + (i % 11) / 1000} for i in range(total)])
     worker = workers.start("--concurrency", "8", "--lease", "2", env=ride)
-    wait_until(lambda: done() >= 300, message="a few hundred jobs to be done")
+    # And some running: on a busy machine the worker can be caught between its completions
+    # and its next claim, with none running.
+    wait_until(
+        lambda: done() >= 300 and running() > 0,
+        message="a few hundred jobs to be done, and some running",
+    )
 
     worker.send(signal.SIGKILL)
     assert worker.wait() == -signal.SIGKILL
